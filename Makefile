@@ -1,0 +1,34 @@
+# Two entry points on a fresh machine: `make demo` (the main job) and `make test` (the suite).
+# Both create .venv and install what they need. TORCH pins the CPU wheel these machines serve
+# locally; a GPU user runs e.g. `make test TORCH="torch --index-url https://download.pytorch.org/whl/cu124"`
+# or installs torch first and passes TORCH=torch.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint install clean bench
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(BIN)/vocabpar layout
+
+test: install
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest
+
+bench: install
+	$(BIN)/python benchmarks/bench_embedding.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

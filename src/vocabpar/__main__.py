@@ -1,0 +1,3 @@
+from vocabpar.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,233 @@
+"""The only place where bytes cross ranks.
+
+Thin wrappers over ``torch.distributed`` that (1) work unchanged on gloo (CPU) and NCCL (GPU),
+(2) skip the collective entirely for a group of one rank, and (3) count the bytes each rank sends
+and receives, per collective kind, so measured traffic can be compared with the planner.
+
+Byte model (per rank, per call; ``n`` = group size, ``m`` = bytes of this rank's input):
+
+=====================  ==========================================  =========================
+kind                   sent                                        received
+=====================  ==========================================  =========================
+all_reduce (ring)      2(n-1)/n * m                                2(n-1)/n * m
+all_gather (ring)      (n-1) * c                                   (n-1) * c
+gather                 c if rank != dst else 0                     (n-1) * c on dst, else 0
+broadcast (flat)       (n-1) * m on src, else 0                    m if rank != src else 0
+all_to_all             bytes of input splits for other ranks       bytes of output splits
+                                                                   from other ranks
+=====================  ==========================================  =========================
+
+``c`` is the per-rank chunk actually put on the wire: for uneven all-gathers the chunks are
+padded to the largest one, so ``c`` is the largest chunk. A group of size 1 counts nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = dist.ProcessGroup | None
+
+
+@dataclass
+class Counter:
+    calls: int = 0
+    sent: int = 0
+    received: int = 0
+
+
+_counters: dict[str, Counter] = defaultdict(Counter)
+_booking: list[str] = []  # innermost ``booked_as`` label, overriding the collective's kind
+
+
+@contextmanager
+def booked_as(label: str) -> Iterator[None]:
+    """Book every collective issued inside the block under ``label`` instead of its kind."""
+    _booking.append(label)
+    try:
+        yield
+    finally:
+        _booking.pop()
+
+
+def traffic() -> dict[str, Counter]:
+    """A snapshot of this process's byte counters, by collective kind."""
+    return {k: Counter(v.calls, v.sent, v.received) for k, v in _counters.items()}
+
+
+def total_bytes(kinds: Sequence[str] | None = None) -> tuple[int, int]:
+    """``(sent, received)`` summed over ``kinds`` (all kinds but the handshake by default)."""
+    selected = [v for k, v in _counters.items() if (k in kinds if kinds else k != "handshake")]
+    return sum(c.sent for c in selected), sum(c.received for c in selected)
+
+
+def reset_traffic() -> None:
+    _counters.clear()
+
+
+def _count(kind: str, sent: float, received: float) -> None:
+    c = _counters[_booking[-1] if _booking else kind]
+    c.calls += 1
+    c.sent += round(sent)
+    c.received += round(received)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ---------------------------------------------------------------------- group facts
+def world_size(group: ProcessGroup = None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def rank(group: ProcessGroup = None) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def global_rank(group: ProcessGroup, group_rank: int) -> int:
+    """Global rank of ``group_rank`` within ``group`` (collectives take global src/dst)."""
+    if group is None or not dist.is_initialized():
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def device(group: ProcessGroup = None) -> torch.device:
+    """Device for tensors the comm layer creates itself (CUDA under NCCL, else CPU)."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ---------------------------------------------------------------------- collectives
+def all_reduce(t: torch.Tensor, group: ProcessGroup = None) -> torch.Tensor:
+    """Sum ``t`` over the group, in place; returns ``t``."""
+    n = world_size(group)
+    if n > 1:
+        dist.all_reduce(t, group=group)
+        _count("all_reduce", 2 * (n - 1) / n * _nbytes(t), 2 * (n - 1) / n * _nbytes(t))
+    return t
+
+
+def all_reduce_max(t: torch.Tensor, group: ProcessGroup = None) -> torch.Tensor:
+    """Element-wise max of ``t`` over the group, in place."""
+    n = world_size(group)
+    if n > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        _count("all_reduce", 2 * (n - 1) / n * _nbytes(t), 2 * (n - 1) / n * _nbytes(t))
+    return t
+
+
+def all_gather(t: torch.Tensor, group: ProcessGroup = None) -> torch.Tensor:
+    """Stack every rank's equally shaped ``t`` along a new leading dim (rank order)."""
+    n = world_size(group)
+    if n == 1:
+        return t.unsqueeze(0)
+    out = torch.empty((n, *t.shape), dtype=t.dtype, device=t.device)
+    dist.all_gather(list(out.unbind(0)), t.contiguous(), group=group)
+    _count("all_gather", (n - 1) * _nbytes(t), (n - 1) * _nbytes(t))
+    return out
+
+
+def all_gather_uneven(t: torch.Tensor, sizes: Sequence[int] | None = None,
+                      group: ProcessGroup = None) -> list[torch.Tensor]:
+    """Every rank's ``t`` (same trailing shape, dim 0 may differ) as a list in rank order.
+
+    ``sizes`` (dim 0 of every rank's tensor) saves a round trip when the caller knows them
+    (e.g. from the layout); otherwise they are exchanged first. Chunks travel padded to the
+    largest one."""
+    n = world_size(group)
+    if sizes is None:
+        sizes = all_gather(torch.tensor([t.shape[0]], device=t.device), group).flatten().tolist()
+    sizes = list(sizes)
+    if len(sizes) != n or sizes[rank(group)] != t.shape[0]:
+        raise ValueError(f"all_gather_uneven: sizes {sizes} do not match this rank's "
+                         f"dim 0 = {t.shape[0]} at rank {rank(group)} of {n}")
+    if n == 1:
+        return [t]
+    biggest = max(sizes)
+    if t.shape[0] < biggest:
+        padded = t.new_zeros((biggest, *t.shape[1:]))
+        padded[: t.shape[0]] = t
+        t = padded
+    stacked = all_gather(t, group)
+    return [stacked[r, : sizes[r]] for r in range(n)]
+
+
+def gather(t: torch.Tensor, dst: int = 0, group: ProcessGroup = None) -> torch.Tensor | None:
+    """Stack every rank's equally shaped ``t`` on group rank ``dst``; ``None`` elsewhere."""
+    n, me = world_size(group), rank(group)
+    if n == 1:
+        return t.unsqueeze(0)
+    t = t.contiguous()
+    if me == dst:
+        out = torch.empty((n, *t.shape), dtype=t.dtype, device=t.device)
+        dist.gather(t, list(out.unbind(0)), dst=global_rank(group, dst), group=group)
+        _count("gather", 0, (n - 1) * _nbytes(t))
+        return out
+    dist.gather(t, None, dst=global_rank(group, dst), group=group)
+    _count("gather", _nbytes(t), 0)
+    return None
+
+
+def broadcast(t: torch.Tensor, src: int = 0, group: ProcessGroup = None) -> torch.Tensor:
+    """Overwrite ``t`` on every rank with group rank ``src``'s ``t``; returns ``t``."""
+    n = world_size(group)
+    if n > 1:
+        dist.broadcast(t, src=global_rank(group, src), group=group)
+        me = rank(group)
+        _count("broadcast", (n - 1) * _nbytes(t) if me == src else 0, 0 if me == src else _nbytes(t))
+    return t
+
+
+def all_to_all(t: torch.Tensor, in_splits: Sequence[int], out_splits: Sequence[int],
+               group: ProcessGroup = None) -> torch.Tensor:
+    """Send ``t[sum(in_splits[:r]) : ...+in_splits[r]]`` to rank r; receive rank r's block
+    into rows ``sum(out_splits[:r]) : ...``. Splits are along dim 0."""
+    n, me = world_size(group), rank(group)
+    in_splits, out_splits = list(in_splits), list(out_splits)
+    if len(in_splits) != n or len(out_splits) != n or sum(in_splits) != t.shape[0]:
+        raise ValueError(f"all_to_all: splits {in_splits}/{out_splits} do not fit dim 0 = "
+                         f"{t.shape[0]} over {n} ranks (rank {me})")
+    if n == 1:
+        return t
+    out = torch.empty((sum(out_splits), *t.shape[1:]), dtype=t.dtype, device=t.device)
+    dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=group)
+    row = _nbytes(t[:1]) if t.shape[0] else _nbytes(out[:1])
+    _count("all_to_all", row * (sum(in_splits) - in_splits[me]),
+           row * (sum(out_splits) - out_splits[me]))
+    return out
+
+
+# ---------------------------------------------------------------------- consistency handshake
+class ConsistencyError(ValueError):
+    """Ranks of one group were built with different facts (layout, dtype, sizes, ...)."""
+
+
+def verify_consistent(group: ProcessGroup = None, **facts: object) -> None:
+    """Exchange ``facts`` (JSON-able values) over the group; if any field differs, every rank
+    raises the same :class:`ConsistencyError` naming the field and which ranks hold what."""
+    n = world_size(group)
+    if n == 1:
+        return
+    blob = json.dumps(facts, sort_keys=True, default=str).encode()
+    payload = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device(group))
+    with booked_as("handshake"):  # kept apart so it never pollutes per-step counters
+        chunks = all_gather_uneven(payload, group=group)
+    seen = [json.loads(bytes(c.cpu().tolist()).decode()) for c in chunks]
+    problems = []
+    for key in sorted(set().union(*seen)):
+        by_value: dict[str, list[int]] = defaultdict(list)
+        for r, f in enumerate(seen):
+            by_value[json.dumps(f.get(key, "<missing>"), sort_keys=True)].append(r)
+        if len(by_value) > 1:
+            parts = "; ".join(f"rank {','.join(map(str, rs))} has {v}" for v, rs in by_value.items())
+            problems.append(f"{key}: {parts}")
+    if problems:
+        raise ConsistencyError("ranks disagree on " + " | ".join(problems))

@@ -1,0 +1,149 @@
+"""Run a function on N local ranks (tests, demo, benchmarks), or on the ranks torchrun started.
+
+Local runs use gloo on 127.0.0.1 with a free port, one process per rank started from a
+``forkserver`` that has torch preloaded (fast and fork-safe; ``fork`` after OpenMP work hangs).
+``fn`` must therefore be a module-level function. Every rank's return value comes back to the
+caller; an exception on any rank, or a rank that dies, raises :class:`LaunchError` naming the
+rank(s); the collective timeout makes survivors of a dead peer fail instead of hanging.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import pickle
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class LaunchError(RuntimeError):
+    """One or more ranks failed; ``failures`` maps rank -> one-line reason, ``tracebacks``
+    rank -> full traceback text where the rank lived long enough to report it."""
+
+    def __init__(self, failures: dict[int, str], tracebacks: dict[int, str]):
+        self.failures, self.tracebacks = failures, tracebacks
+        lines = [f"rank {r}: {why}" for r, why in sorted(failures.items())]
+        first = min(tracebacks) if tracebacks else None
+        detail = f"\n--- traceback of rank {first} ---\n{tracebacks[first]}" if first is not None else ""
+        super().__init__(f"{len(failures)} rank(s) failed:\n" + "\n".join(lines) + detail)
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def init_from_env(timeout: float = 300.0, backend: str | None = None) -> None:
+    """Initialise the default group from torchrun's environment (NCCL when CUDA is present)."""
+    if dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+
+
+def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
+        run_timeout: float = 600.0, threads_per_rank: int | None = None, **kwargs: Any) -> list[Any]:
+    """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks and return their results in rank order.
+
+    ``timeout`` bounds every collective; ``run_timeout`` bounds the whole run. Under torchrun
+    the process group comes from the environment, ``fn`` runs once in this process and the
+    returned list holds this rank's result only."""
+    if under_torchrun():
+        init_from_env(timeout)
+        return [fn(*args, **kwargs)]
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "vocabpar"])
+    port = _free_port()
+    procs, conns = [], []
+    for r in range(world_size):
+        reader, writer = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_rank_main, daemon=True,
+                        args=(fn, r, world_size, port, timeout, threads, writer, args, kwargs))
+        p.start()
+        writer.close()
+        procs.append(p)
+        conns.append(reader)
+    try:
+        return _collect(procs, conns, deadline=time.monotonic() + run_timeout, grace=timeout + 10)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank, world_size, port, timeout, threads, conn, args, kwargs) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout))
+        message = (True, fn(*args, **kwargs))
+    except BaseException as e:  # report anything, including KeyboardInterrupt/SystemExit
+        message = (False, (f"{type(e).__name__}: {e}", traceback.format_exc()))
+    try:
+        payload = pickle.dumps(message)
+    except Exception as e:
+        payload = pickle.dumps((False, (f"result could not be pickled: {e}", traceback.format_exc())))
+    conn.send_bytes(payload)
+    conn.close()
+    if dist.is_initialized() and message[0]:
+        dist.destroy_process_group()
+    os._exit(0)  # skip interpreter teardown: a dead peer must not make this rank hang on exit
+
+
+def _collect(procs, conns, deadline: float, grace: float) -> list[Any]:
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    tracebacks: dict[int, str] = {}
+    pending = set(range(len(procs)))
+    shortened = False
+    while pending:
+        if failures and not shortened:  # survivors get one collective timeout to fail too
+            deadline, shortened = min(deadline, time.monotonic() + grace), True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            for r in pending:
+                failures[r] = "did not finish in time (killed)"
+            break
+        waitables = {conns[r]: r for r in pending} | {procs[r].sentinel: r for r in pending}
+        for ready in mpc.wait(list(waitables), timeout=left):
+            r = waitables[ready]
+            if r not in pending:
+                continue
+            ok, value = False, None
+            if ready is conns[r] or conns[r].poll():
+                try:
+                    ok, value = pickle.loads(conns[r].recv_bytes())
+                except EOFError:  # the pipe closed without a report: the process died
+                    pass
+            if ok:
+                results[r] = value
+            elif value is not None:
+                failures[r], tracebacks[r] = value
+            else:
+                procs[r].join(5)
+                failures[r] = f"died (exit code {procs[r].exitcode})"
+            pending.discard(r)
+    if failures:
+        raise LaunchError(failures, tracebacks)
+    return [results[r] for r in range(len(procs))]
