@@ -115,6 +115,24 @@ def all_reduce(t: torch.Tensor, group: ProcessGroup = None) -> torch.Tensor:
     return t
 
 
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """Bit-level view of a tensor (last dim contiguous) as rows of the widest integer type among
+    int64, int32 and uint8 that tiles its last dim -- the types both gloo and NCCL can sum.
+    Row gathers and exact sums work on these words."""
+    row_bytes = t.shape[-1] * t.element_size() if t.dim() else t.element_size()
+    for word in (torch.int64, torch.int32):
+        if row_bytes % word.itemsize == 0:
+            return t.view(torch.uint8).view(word) if t.dtype != word else t
+    return t.view(torch.uint8)
+
+
+def all_reduce_exact(t: torch.Tensor, group: ProcessGroup = None) -> torch.Tensor:
+    """Sum ``t`` over the group by adding bit patterns as integers, in place: exact for any dtype
+    (fp8 and -0.0 included) when at most one rank holds non-zero bytes in each element."""
+    all_reduce(as_words(t), group)
+    return t
+
+
 def all_reduce_max(t: torch.Tensor, group: ProcessGroup = None) -> torch.Tensor:
     """Element-wise max of ``t`` over the group, in place."""
     n = world_size(group)

@@ -1,0 +1,121 @@
+"""Vocab-parallel embedding: each rank looks up the ids it owns, the exchange assembles rows.
+
+Invariant: the output on every rank is bit-identical to ``F.embedding(ids, full_table)`` (for a
+quantized table: to dequantizing the full table, then looking up). Nothing ever adds floats:
+rows move as raw bytes, and the all-reduce sums integer bit patterns where only the owner
+contributes non-zero bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vocabpar import comm
+from vocabpar.layout import VocabLayout
+from vocabpar.weights import VocabShardedMatrix, dequantize_rows
+
+EXCHANGES = ("auto", "all_reduce", "owner_gather")
+OOB_MODES = ("error", "zero")
+
+
+def exchange_costs(counts: list[int], total: int) -> dict[str, float]:
+    """Rows on the wire of the busiest link for each exchange, given how many of ``total``
+    looked-up rows each rank owns: ring all-reduce moves 2(n-1)/n*T per rank both ways; owner
+    gather makes rank r send its c_r rows to n-1 peers and receive the T - c_r it lacks."""
+    n = len(counts)
+    return {"all_reduce": 2 * (n - 1) / n * total,
+            "owner_gather": max(max((n - 1) * c, total - c) for c in counts)}
+
+
+class VocabParallelEmbedding(VocabShardedMatrix):
+    """Embedding whose rows are split over ``group`` as ``layout`` says.
+
+    ``ids`` must be the same on every rank (replicated, as after tokenisation); any leading
+    shape. ``exchange``: ``all_reduce`` (masked rows summed bit-exactly), ``owner_gather`` (each
+    owner sends only its rows, by all-to-all) or ``auto`` (whichever moves fewer rows on the
+    busiest link for these ids). ``oob``: ``error`` rejects ids outside ``[0, vocab_size)``;
+    ``zero`` returns zero rows for them (multimodal placeholders)."""
+
+    def __init__(self, layout: VocabLayout, embedding_dim: int, *, group: comm.ProcessGroup = None,
+                 dtype: torch.dtype = torch.float32, exchange: str = "auto", oob: str = "error",
+                 quantized: bool = False, compute_dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+        if oob not in OOB_MODES:
+            raise ValueError(f"oob must be one of {OOB_MODES}, got {oob!r}")
+        super().__init__(layout, embedding_dim, group=group, dtype=dtype, quantized=quantized,
+                         compute_dtype=compute_dtype, device=device, exchange=exchange, oob=oob)
+        self.embedding_dim, self.exchange, self.oob = embedding_dim, exchange, oob
+        self.last_exchange: str | None = None  # what the latest forward used (for benchmarks)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = self._checked_ids(ids).reshape(-1)
+        n = comm.world_size(self.group)
+        if self.layout.scheme == "replicated" or n == 1:
+            self.last_exchange = "none"
+            packed = self._local_rows(flat)
+        else:
+            owner = self.layout.owner(flat)
+            counts = torch.bincount(owner + 1, minlength=n + 1).tolist()  # [out of range, r0, ...]
+            mode = self._choose(counts[1:], flat.numel())
+            self.last_exchange = mode
+            if mode == "all_reduce":
+                packed = comm.all_reduce_exact(self._local_rows(flat), self.group)
+            else:
+                packed = self._owner_gather(flat, owner, counts)
+        return self._unpack(packed).reshape(*ids.shape, self.embedding_dim)
+
+    # ------------------------------------------------------------------ steps
+    def _choose(self, counts: list[int], total: int) -> str:
+        if self.exchange != "auto":
+            return self.exchange
+        costs = exchange_costs(counts, total)
+        return "owner_gather" if costs["owner_gather"] < costs["all_reduce"] else "all_reduce"
+
+    def _local_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """One gather: owned ids -> their local row, everything else -> the zero sentinel row.
+        Rows travel as integer words; quantized rows carry their 4 scale bytes at the end."""
+        local, owned = self.layout.local_ids(ids, self.rank)
+        rows = torch.where(owned, local, torch.full_like(local, self.sentinel))
+        found = comm.as_words(self.table).index_select(0, rows)
+        if not self.quantized:
+            return found
+        scale_bytes = self.scale.index_select(0, rows).view(torch.uint8).view(-1, 4)
+        return comm.as_words(torch.cat([found.view(torch.uint8), scale_bytes], dim=1))
+
+    def _owner_gather(self, ids: torch.Tensor, owner: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each owner gathers its rows (in position order) and sends them to every peer; every
+        rank places the blocks it receives. Out-of-range ids (owner -1) stay zero."""
+        n, me = len(counts) - 1, self.rank
+        order = torch.argsort(owner, stable=True)  # out-of-range first, then by owner
+        starts = torch.tensor(counts).cumsum(0).tolist()
+        mine = order[starts[me]: starts[me + 1]]
+        block = self._local_rows(ids.index_select(0, mine))
+        received = comm.all_to_all(block.repeat(n, 1), [block.shape[0]] * n, counts[1:], self.group)
+        make = torch.zeros if counts[0] else torch.empty
+        out = make((ids.numel(), block.shape[1]), dtype=block.dtype, device=block.device)
+        out.index_copy_(0, order[counts[0]:], received)
+        return out
+
+    def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        raw = packed.view(torch.uint8)
+        if not self.quantized:
+            return raw.view(self.table.dtype)
+        row_bytes = self.embedding_dim * self.table.element_size()
+        q = raw[:, :row_bytes].contiguous().view(self.table.dtype)
+        scale = raw[:, row_bytes:].contiguous().view(torch.float32).reshape(-1)
+        return dequantize_rows(q, scale, self.compute_dtype)
+
+    def _checked_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"ids must be a torch.Tensor, got {type(ids).__name__}")
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"ids must be int32 or int64, got {ids.dtype}")
+        bad = (ids < 0) | (ids >= self.layout.vocab_size)
+        if self.oob == "error" and bool(bad.any()):
+            where = bad.nonzero()[:5]
+            shown = ", ".join(f"{tuple(p.tolist())}={ids[tuple(p)].item()}" for p in where)
+            raise ValueError(f"{int(bad.sum())} token id(s) outside [0, {self.layout.vocab_size}) "
+                             f"(rank {self.rank}); first at position=value: {shown}")
+        return ids

@@ -1,0 +1,141 @@
+"""The rows of a [vocab, dim] matrix that one rank stores, and how they get there.
+
+Shared by the embedding and the LM head (a tied head is a view of the embedding's table).
+``table`` is ``[rows + 1, dim]``: this rank's rows in layout order (padding rows zero) followed by
+one all-zero *sentinel* row, so a lookup can send every id this rank does not own to the
+sentinel and fill zeros in the same gather pass. ``weight`` is ``table[:rows]``. Both are strided
+views of ``storage``, whose rows are padded to a multiple of 32 bytes (aligned row starts);
+lookups and matmuls use the strided views directly, never a compacted copy.
+Quantized tables (int8 / fp8) carry one fp32 scale per row in ``scale``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from vocabpar import comm
+from vocabpar.layout import VocabLayout
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+QUANT_DTYPES = (torch.int8, *FP8_DTYPES)
+
+
+def quantize_rows(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row quantization to int8 or fp8: ``weight ≈ q.float() * scale[:, None]``."""
+    if dtype not in QUANT_DTYPES:
+        raise ValueError(f"quantized storage must be one of {QUANT_DTYPES}, got {dtype}")
+    w = weight.float()
+    top = 127.0 if dtype == torch.int8 else torch.finfo(dtype).max
+    scale = w.abs().amax(dim=1) / top
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = w / scale[:, None]
+    q = q.round().clamp(-top, top) if dtype == torch.int8 else q.clamp(-top, top)
+    return q.to(dtype), scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`quantize_rows` into ``dtype`` (the same arithmetic on any row subset)."""
+    return (q.float() * scale[..., None]).to(dtype)
+
+
+class VocabShardedMatrix(nn.Module):
+    """This rank's rows of a vocab-sized matrix, over the ranks of ``group``."""
+
+    def __init__(self, layout: VocabLayout, dim: int, *, group: comm.ProcessGroup = None,
+                 dtype: torch.dtype = torch.float32, quantized: bool = False,
+                 compute_dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 **facts: object) -> None:
+        super().__init__()
+        if not isinstance(layout, VocabLayout):
+            raise TypeError(f"layout must be a VocabLayout, got {type(layout).__name__}")
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
+            raise ValueError(f"dim must be a positive int, got {dim!r}")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        if quantized and dtype not in QUANT_DTYPES:
+            raise ValueError(f"quantized tables are stored as one of {QUANT_DTYPES}, got {dtype}")
+        if not quantized and not (dtype.is_floating_point):
+            raise ValueError(f"unquantized tables need a floating dtype, got {dtype}")
+        n, me = comm.world_size(group), comm.rank(group)
+        if layout.world_size != n:
+            raise ValueError(f"layout is for {layout.world_size} ranks but the group has {n} "
+                             f"(rank {me})")
+        self.layout, self.group, self.rank, self.dim = layout, group, me, dim
+        self.shard = layout.shard(me)
+        self.quantized = quantized
+        self.compute_dtype = compute_dtype or (torch.bfloat16 if quantized else dtype)
+        per_row = 32 // math.gcd(32, dtype.itemsize)  # elements per 32 bytes
+        stride = -(-dim // per_row) * per_row
+        self.storage = nn.Parameter(torch.zeros(self.shard.rows + 1, stride, dtype=dtype, device=device),
+                                    requires_grad=False)
+        self.register_buffer("scale", torch.ones(self.shard.rows + 1, device=device) if quantized
+                             else None)
+        comm.verify_consistent(group, **layout.describe(), dim=dim, dtype=str(dtype),
+                               quantized=quantized, compute_dtype=str(self.compute_dtype),
+                               kind=type(self).__name__, **facts)
+
+    @property
+    def table(self) -> torch.Tensor:
+        """``[rows + 1, dim]`` strided view: this rank's rows, then the zero sentinel row."""
+        return self.storage[:, : self.dim]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """``[rows, dim]`` strided view of this rank's rows (without the sentinel row)."""
+        return self.storage[: self.shard.rows, : self.dim]
+
+    @property
+    def sentinel(self) -> int:
+        """Local row index of the all-zero row."""
+        return self.shard.rows
+
+    # ------------------------------------------------------------------ loading
+    def _row_ranges(self) -> list[tuple[int, int, int]]:
+        """``(global_start, global_end, local_start)`` of the id ranges this rank stores."""
+        s = self.shard
+        return [(s.org_start, s.org_end, 0), (s.added_start, s.added_end, s.org_rows)]
+
+    @torch.no_grad()
+    def load_full_weight(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        """Copy this rank's rows out of the full ``[vocab_size, dim]`` matrix (``scale``: the full
+        per-row scales of a quantized table; an unquantized float matrix given to a quantized
+        module is quantized here)."""
+        self._check_shape("weight", tuple(weight.shape), (self.layout.vocab_size, self.dim))
+        if scale is not None:
+            if not self.quantized:
+                raise ValueError("scale given for an unquantized table")
+            self._check_shape("scale", tuple(scale.shape), (self.layout.vocab_size,))
+        for start, end, local in self._row_ranges():
+            self._put(local, weight[start:end], None if scale is None else scale[start:end])
+
+    @torch.no_grad()
+    def load_safetensors(self, path: str, name: str, scale_name: str | None = None) -> None:
+        """Read only this rank's row ranges of tensor ``name`` from a safetensors file."""
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            if name not in f.keys():
+                raise KeyError(f"tensor {name!r} not in {path}; it has {sorted(f.keys())[:10]}")
+            sliced = f.get_slice(name)
+            self._check_shape(name, tuple(sliced.get_shape()), (self.layout.vocab_size, self.dim))
+            scales = f.get_slice(scale_name) if scale_name else None
+            for start, end, local in self._row_ranges():
+                self._put(local, sliced[start:end], scales[start:end] if scales is not None else None)
+
+    def _put(self, local: int, rows: torch.Tensor, scale: torch.Tensor | None) -> None:
+        """Store ``rows`` at local row ``local`` (quantizing them when no scales are given)."""
+        if self.quantized and scale is None:
+            if rows.dtype in QUANT_DTYPES:
+                raise ValueError(f"already-quantized rows ({rows.dtype}) need their per-row scales")
+            rows, scale = quantize_rows(rows, self.storage.dtype)
+        if rows.shape[0]:
+            self.table[local: local + rows.shape[0]] = rows.to(self.storage.dtype)
+            if scale is not None:
+                self.scale[local: local + rows.shape[0]] = scale.float()
+
+    def _check_shape(self, what: str, found: tuple, expected: tuple) -> None:
+        if found != expected:
+            raise ValueError(f"{what}: expected shape {expected}, found {found} (rank {self.rank})")
