@@ -194,6 +194,20 @@ class VocabLayout:
         key = torch.where(ids >= 0, ids, self.vocab_size + torch.arange(ids.numel()))
         return torch.argsort(key)
 
+    def gathered_columns(self) -> torch.Tensor:
+        """Column of each token id (length ``vocab_size``) in the concatenation of all shards,
+        each padded to ``max_rows`` columns -- the shape equal-size collectives produce.
+        Replicated: ``arange(vocab_size)``."""
+        if self.scheme == "replicated":
+            return torch.arange(self.vocab_size)
+        ids = torch.cat([torch.cat([self.local_token_ids(r),
+                                    torch.full((self.max_rows - s.rows,), -1, dtype=torch.long)])
+                         for r, s in enumerate(self.shards)])
+        column_of = torch.empty(self.vocab_size, dtype=torch.long)
+        real = ids >= 0
+        column_of[ids[real]] = torch.nonzero(real).flatten()
+        return column_of
+
     def describe(self) -> dict:
         """Plain-data summary (used by the consistency handshake and the CLI)."""
         return {"vocab_size": self.vocab_size, "org_vocab_size": self.org_vocab_size,

@@ -47,7 +47,7 @@ class VocabShardedMatrix(nn.Module):
     def __init__(self, layout: VocabLayout, dim: int, *, group: comm.ProcessGroup = None,
                  dtype: torch.dtype = torch.float32, quantized: bool = False,
                  compute_dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 **facts: object) -> None:
+                 share_with: VocabShardedMatrix | None = None, **facts: object) -> None:
         super().__init__()
         if not isinstance(layout, VocabLayout):
             raise TypeError(f"layout must be a VocabLayout, got {type(layout).__name__}")
@@ -67,10 +67,17 @@ class VocabShardedMatrix(nn.Module):
         self.shard = layout.shard(me)
         self.quantized = quantized
         self.compute_dtype = compute_dtype or (torch.bfloat16 if quantized else dtype)
-        per_row = 32 // math.gcd(32, dtype.itemsize)  # elements per 32 bytes
-        stride = -(-dim // per_row) * per_row
-        self.storage = nn.Parameter(torch.zeros(self.shard.rows + 1, stride, dtype=dtype, device=device),
-                                    requires_grad=False)
+        if share_with is not None:  # tied weights: the very same storage, no copy
+            theirs = (share_with.layout, share_with.dim, share_with.storage.dtype, share_with.quantized)
+            if theirs != (layout, dim, dtype, quantized):
+                raise ValueError(f"cannot tie: (layout, dim, dtype, quantized) {theirs} != "
+                                 f"{(layout, dim, dtype, quantized)}")
+            self.storage = share_with.storage
+        else:
+            per_row = 32 // math.gcd(32, dtype.itemsize)  # elements per 32 bytes
+            stride = -(-dim // per_row) * per_row
+            self.storage = nn.Parameter(torch.zeros(self.shard.rows + 1, stride, dtype=dtype,
+                                                    device=device), requires_grad=False)
         self.register_buffer("scale", torch.ones(self.shard.rows + 1, device=device) if quantized
                              else None)
         comm.verify_consistent(group, **layout.describe(), dim=dim, dtype=str(dtype),

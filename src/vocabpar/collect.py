@@ -1,0 +1,215 @@
+"""Logits collection: from per-rank vocab shards to full-vocabulary rows where they are needed.
+
+Each strategy is one short function; they share two helpers: ``_padded_local`` (local FP32
+logits padded to the layout's widest shard, so every collective moves equal shapes) and
+``_to_token_order`` (stacked shards -> columns in token-id order, padding dropped). Every
+strategy returns, for the rows it hands to this rank, exactly the logits of
+``head.local_logits`` arranged in token order, so all strategies agree with each other bit for
+bit. Chunking (``max_rows``) changes how many rows are computed and moved at once, never values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from vocabpar import comm
+from vocabpar.head import ParallelLMHead
+from vocabpar.layout import VocabLayout
+
+ProcessGroup = comm.ProcessGroup
+
+
+@dataclass(frozen=True)
+class ShardedLogits:
+    """Logits left sharded (strategy ``none``): this rank's FP32 ``[B, rows]`` block."""
+
+    logits: torch.Tensor
+    layout: VocabLayout
+    rank: int
+
+
+@lru_cache(maxsize=32)
+def _columns(layout: VocabLayout) -> torch.Tensor | None:
+    """Token-order column index into padded stacked shards, or None when a slice suffices."""
+    columns = layout.gathered_columns()
+    return None if torch.equal(columns, torch.arange(layout.vocab_size)) else columns
+
+
+def _padded_local(head: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(hidden.shape[0], head.layout.max_rows, dtype=torch.float32, device=hidden.device)
+    return head.logits_into(hidden, out)
+
+
+def _to_token_order(stacked: torch.Tensor, layout: VocabLayout) -> torch.Tensor:
+    """``[n, B, max_rows]`` shards in rank order -> ``[B, vocab_size]`` in token order."""
+    n, rows, width = stacked.shape
+    flat = stacked.permute(1, 0, 2).reshape(rows, n * width)
+    columns = _columns(layout)
+    if columns is None:
+        return flat[:, : layout.vocab_size]
+    return flat.index_select(1, columns.to(flat.device))
+
+
+def _local_full(head: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
+    """Replicated head: every column is local, already in token order."""
+    return _padded_local(head, hidden)[:, : head.layout.vocab_size]
+
+
+# --------------------------------------------------------------------------- strategies
+# Each takes (head, hidden chunk, group, dst) and returns this rank's rows of the chunk.
+def _all_gather(head, hidden, group, dst):
+    if head.layout.scheme == "replicated":
+        return _local_full(head, hidden)
+    return _to_token_order(comm.all_gather(_padded_local(head, hidden), group), head.layout)
+
+
+def _gather(head, hidden, group, dst):
+    if head.layout.scheme == "replicated":
+        return _local_full(head, hidden) if comm.rank(group) == dst else None
+    stacked = comm.gather(_padded_local(head, hidden), dst, group)
+    return None if stacked is None else _to_token_order(stacked, head.layout)
+
+
+def _to_owners(head, hidden, splits, group):
+    """Rows of ``hidden`` are grouped by destination (``splits[r]`` rows for rank r); each rank
+    computes its shard for all of them and receives the full-vocab rows of its own group."""
+    n, me = comm.world_size(group), comm.rank(group)
+    if head.layout.scheme == "replicated":
+        start = sum(splits[:me])
+        return _local_full(head, hidden[start: start + splits[me]])
+    received = comm.all_to_all(_padded_local(head, hidden), splits, [splits[me]] * n, group)
+    return _to_token_order(received.view(n, splits[me], head.layout.max_rows), head.layout)
+
+
+def _all_to_all(head, hidden, group, dst):
+    """``hidden`` (the same on every rank) is n equal row blocks; rank r gets block r."""
+    n = comm.world_size(group)
+    return _to_owners(head, hidden, [hidden.shape[0] // n] * n, group)
+
+
+def _none(head, hidden, group, dst):
+    return head.local_logits(hidden)
+
+
+STRATEGIES: dict[str, Callable] = {
+    "all_gather": _all_gather, "gather": _gather, "all_to_all": _all_to_all, "none": _none,
+    "replicated": _all_gather,  # a replicated layout never communicates (checked below)
+}
+
+
+# --------------------------------------------------------------------------- entry points
+def _chunks(total: int, step: int) -> Iterator[slice]:
+    """Row slices of at most ``step`` rows; always at least one (possibly empty) slice so every
+    rank issues the same collectives even for an empty batch."""
+    for start in range(0, max(total, 1), step):
+        yield slice(start, min(start + step, total))
+
+
+def iter_logits(head: ParallelLMHead, hidden: torch.Tensor, *, strategy: str,
+                group: ProcessGroup = None, max_rows: int | None = None, dst: int = 0,
+                ) -> Iterator[tuple[slice, torch.Tensor | None]]:
+    """Yield ``(rows, logits)`` chunk by chunk: ``logits`` are this rank's output rows ``rows``
+    (``None`` off the destination for ``gather``; a ``[rows, shard]`` block for ``none``). At
+    most ``max_rows`` rows of hidden state are computed and collected per chunk, over all ranks;
+    every rank walks the same chunks."""
+    group = head.group if group is None else group
+    n, me = comm.world_size(group), comm.rank(group)
+    names = sorted([*STRATEGIES, "dp_gather_scatter"])
+    if strategy not in names:
+        raise ValueError(f"unknown strategy {strategy!r}; expected one of {names}")
+    if strategy == "replicated" and head.layout.scheme != "replicated":
+        raise ValueError(f"strategy 'replicated' needs a replicated layout, got {head.layout.scheme!r}")
+    if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
+        raise ValueError(f"max_rows must be a positive int or None, got {max_rows!r}")
+    if strategy == "gather" and not 0 <= dst < n:
+        raise ValueError(f"dst must be a rank in [0, {n}), got {dst}")
+    if strategy == "dp_gather_scatter":
+        yield from _iter_dp(head, hidden, group, max_rows)
+        return
+    head.check_hidden(hidden)
+    total = hidden.shape[0]
+    if strategy != "all_to_all":
+        for rows in _chunks(total, max_rows or max(total, 1)):
+            yield rows, STRATEGIES[strategy](head, hidden[rows], group, dst)
+        return
+    if total % n:
+        raise ValueError(f"all_to_all splits rows into {n} equal blocks, but there are {total} rows "
+                         f"(rank {me}); pad the batch or use dp_gather_scatter")
+    # chunk k takes the k-th slice of every rank's block, so each chunk is again n equal blocks
+    block = total // n
+    blocks = hidden.view(n, block, hidden.shape[1])
+    for rows in _chunks(block, max(1, (max_rows or total) // n)):
+        yield rows, _all_to_all(head, blocks[:, rows].reshape(-1, hidden.shape[1]), group, dst)
+
+
+def _iter_dp(head, hidden, group, max_rows):
+    """DP attention: each rank brings its own rows. Row counts and a validity flag are exchanged
+    once (a bad input on one rank then fails every rank instead of leaving them waiting); per
+    chunk the hidden rows are all-gathered and each rank gets back full-vocab logits for exactly
+    its rows. A replicated head needs none of this: each rank computes its own rows."""
+    if head.layout.scheme == "replicated":
+        head.check_hidden(hidden)
+        for rows in _chunks(hidden.shape[0], max_rows or max(hidden.shape[0], 1)):
+            yield rows, _local_full(head, hidden[rows])
+        return
+    n, me = comm.world_size(group), comm.rank(group)
+    try:
+        head.check_hidden(hidden)
+        problem = None
+    except ValueError as e:
+        problem = e
+    mine = torch.tensor([hidden.shape[0] if problem is None else -1], device=comm.device(group))
+    sizes = comm.all_gather(mine, group).flatten().tolist()
+    if problem is not None:
+        raise problem
+    if min(sizes) < 0:
+        bad = [r for r, s in enumerate(sizes) if s < 0]
+        raise ValueError(f"dp_gather_scatter: rank(s) {bad} passed invalid hidden states (rank {me})")
+    step = max(1, (max_rows or max(sum(sizes), 1)) // n)
+    for start in range(0, max(max(sizes), 1), step):
+        chunk = [max(0, min(step, s - start)) for s in sizes]
+        rows = slice(min(start, sizes[me]), min(start, sizes[me]) + chunk[me])
+        gathered = torch.cat(comm.all_gather_uneven(hidden[rows], chunk, group))
+        yield rows, _to_owners(head, gathered, chunk, group)
+
+
+def compute_logits(head: ParallelLMHead, hidden: torch.Tensor, *, strategy: str,
+                   group: ProcessGroup = None, max_rows: int | None = None, dst: int = 0,
+                   ) -> torch.Tensor | ShardedLogits | None:
+    """FP32 logits for the rows of ``hidden`` collected by ``strategy``:
+
+    * ``all_gather`` / ``replicated``: ``[B, vocab_size]`` in token order on every rank;
+    * ``gather``: the same on rank ``dst``, ``None`` elsewhere (see :func:`broadcast_tokens`);
+    * ``all_to_all``: rank r gets rows ``[r*B/n, (r+1)*B/n)``, full vocab;
+    * ``dp_gather_scatter``: each rank passes its own rows and gets exactly those back;
+    * ``none``: :class:`ShardedLogits`, this rank's ``[B, rows]`` shard for the sampler."""
+    out = None
+    for rows, logits in iter_logits(head, hidden, strategy=strategy, group=group, max_rows=max_rows,
+                                    dst=dst):
+        if logits is None:
+            continue
+        if out is None:
+            own = hidden.shape[0] // comm.world_size(head.group if group is None else group) \
+                if strategy == "all_to_all" else hidden.shape[0]
+            out = logits.new_empty((own, logits.shape[1]))
+        out[rows] = logits
+    if strategy == "none":
+        return ShardedLogits(out, head.layout, head.rank)
+    return out
+
+
+def broadcast_tokens(tokens: torch.Tensor | None, rows: int, src: int = 0,
+                     group: ProcessGroup = None) -> torch.Tensor:
+    """After ``gather``: send the int64 ``[rows]`` ids sampled on ``src`` to every rank."""
+    if comm.rank(group) == src:
+        if tokens is None or tuple(tokens.shape) != (rows,):
+            raise ValueError(f"broadcast_tokens: rank {src} must pass [{rows}] token ids, got "
+                             f"{None if tokens is None else tuple(tokens.shape)}")
+        buf = tokens.long().contiguous()
+    else:
+        buf = torch.empty(rows, dtype=torch.long, device=comm.device(group))
+    return comm.broadcast(buf, src, group)
