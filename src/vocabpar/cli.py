@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 
+from vocabpar import plan
 from vocabpar.layout import SCHEMES, VocabLayout
 from vocabpar.presets import DEFAULT_PRESET, PRESETS, preset
 
@@ -42,8 +45,54 @@ def cmd_layout(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    shape = preset(args.preset)
+    w = plan.Workload(
+        vocab=shape.vocab_size if args.vocab is None else args.vocab,
+        hidden=shape.hidden_size if args.hidden is None else args.hidden,
+        tied=shape.tied if args.tied is None else args.tied,
+        ranks=args.ranks, dp=args.dp, batch=args.batch, tokens=args.tokens,
+        weight_dtype_bytes=plan.dtype_bytes(args.weight_dtype),
+        logits_dtype_bytes=plan.dtype_bytes(args.logits_dtype),
+        bandwidth=args.bandwidth * 1e9, flops=args.flops * 1e12,
+        kv_bytes_per_token=args.kv_bytes_per_token, pad_to=args.pad_to)
+    costs = plan.plan(w)
+    rec = plan.recommend(costs, None if args.headroom is None else args.headroom * plan.GiB)
+    study = plan.study_figures() if plan.is_study_shape(w) else []
+    if args.plot:
+        plan.plot(w, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"workload": asdict(w), "designs": [asdict(c) for c in costs],
+                          "recommendation": asdict(rec),
+                          "study": [asdict(f) | {"text": f.text, "agrees": f.agrees} for f in study]},
+                         indent=2))
+        return 0
+    h = plan.human
+    print(f"{w.vocab} vocab x {w.hidden} hidden ({'tied' if w.tied else 'untied'}), {w.ranks} ranks, "
+          f"dp {w.dp}, B={w.batch} rows/step, T={w.tokens} tokens/forward, weights "
+          f"{args.weight_dtype}, logits {args.logits_dtype}, {h(w.bandwidth, 'bytes')}/s, "
+          f"{h(w.flops, 'flops')}/s\n")
+    rows = [(c.name, c.ranks, h(c.weight_bytes, "ibytes"), h(c.logits_buffer_bytes, "ibytes"),
+             h(c.embedding_bytes, "bytes"), h(c.step_bytes, "bytes"), h(c.head_flops, "flops"),
+             h(c.step_time_s, "seconds"), h(c.kv_tokens, "tokens")) for c in costs]
+    print(format_table(("design", "ranks", "weights", "logits", f"emb/fwd({w.tokens})", "step recv",
+                        "head/rank", "step time", "KV forgone"), rows))
+    print("\n" + "\n".join(f"  {c.name}: {c.summary}" for c in costs))
+    print(f"\nrecommendation: {rec.reason}")
+    if study:
+        print("\nthe study's numbers (SPEC section 1: TP=8, B=256, T=8192, 300 GB/s, 600 TFLOP/s):")
+        print(format_table(("quantity", "vocabpar", "study", "check"),
+                           [(f.quantity, f.text, f.study or "-",
+                             "ok" if f.study and f.agrees else "differs" if f.study else "")
+                            for f in study]))
+        print("\n".join(f"  {f.quantity.strip()}: {f.note}" for f in study if f.note))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vocabpar", description="Vocabulary-parallel embedding, LM head, logits and sampling.")
+    parser = argparse.ArgumentParser(
+        prog="vocabpar", description="Vocabulary-parallel embedding, LM head, logits and sampling.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("layout", help="show how a vocabulary is split over ranks")
     p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
@@ -53,6 +102,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pad-to", type=_positive, default=64)
     p.add_argument("--scheme", choices=SCHEMES, help="one scheme (default: all)")
     p.set_defaults(func=cmd_layout)
+    p = sub.add_parser("plan", help="price every vocabulary design for a model and workload")
+    p.add_argument("--preset", default=DEFAULT_PRESET, help=f"model shape ({', '.join(PRESETS)})")
+    p.add_argument("--vocab", type=int, help="vocabulary size (overrides the preset)")
+    p.add_argument("--hidden", type=int, help="hidden size (overrides the preset)")
+    tied = p.add_mutually_exclusive_group()
+    tied.add_argument("--tied", dest="tied", action="store_true", default=None, help="one shared matrix")
+    tied.add_argument("--untied", dest="tied", action="store_false", help="embedding and head separate")
+    p.add_argument("--ranks", type=int, default=8, help="ranks sharing the vocabulary (TP degree)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel attention groups (1 = attention TP)")
+    p.add_argument("--batch", type=int, default=256, help="rows needing logits per step")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per forward (embedding)")
+    p.add_argument("--weight-dtype", default="bf16", help=f"one of {', '.join(plan.DTYPE_BYTES)}")
+    p.add_argument("--logits-dtype", default="bf16", help=f"one of {', '.join(plan.DTYPE_BYTES)}")
+    p.add_argument("--bandwidth", type=float, default=300.0, help="interconnect GB/s")
+    p.add_argument("--flops", type=float, default=600.0, help="effective TFLOP/s")
+    p.add_argument("--kv-bytes-per-token", type=float, default=890.0, help="KV cache bytes per token")
+    p.add_argument("--pad-to", type=int, default=64, help="vocab padding multiple (padded scheme)")
+    p.add_argument("--headroom", type=float, help="GiB per rank available for extra memory")
+    p.add_argument("--json", action="store_true", help="print plain data in base units")
+    p.add_argument("--plot", metavar="FILE.png", help="write bytes-vs-batch and memory-vs-ranks plots")
+    p.set_defaults(func=cmd_plan)
     return parser
 
 

@@ -1,0 +1,460 @@
+"""The accounting: what each vocabulary design costs per rank, as plain numbers.
+
+Every quantity is one small function of explicit shapes returning base units (bytes, FLOPs,
+seconds). Traffic is the bytes *received by the busiest rank*, under the byte model that
+``vocabpar.comm`` books (ring all-reduce ``2(n-1)/n*M``, ring all-gather ``(n-1)*chunk`` with
+chunks padded to the largest, gather ``(n-1)*chunk`` on the destination, all-to-all exact
+splits), so predictions can be compared with measured counters.
+
+Topology: ``ranks`` ranks share the vocabulary (the head's TP group). Attention is either
+tensor-parallel (``dp=1``: every rank holds all ``batch`` hidden rows) or data-parallel over
+``dp`` groups (each holds ``ceil(batch/dp)`` rows, so a sharded head first gathers the other
+groups' hidden rows). Activations travel in the weight dtype. Times divide bytes by bandwidth
+and FLOPs by throughput, without latency or overlap.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from vocabpar.layout import VocabLayout
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+COLLECTIONS = ("all_gather", "gather", "dp_gather_scatter", "all_to_all", "none", "replicated")
+EMBEDDING_EXCHANGES = ("all_reduce", "owner_gather", "local")
+GREEDY_PAIR_BYTES = 4 + 8  # fp32 value + int64 global id per row
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of a dtype name (``bf16``, ``fp32``, ...)."""
+    try:
+        return DTYPE_BYTES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; known: {', '.join(DTYPE_BYTES)}") from None
+
+
+# ---------------------------------------------------------------------- quantities
+def shard_rows(vocab: int, ranks: int, scheme: str = "padded", pad_to: int = 64) -> int:
+    """Rows stored by the largest shard, padding included: the weight rows per rank and the
+    all-gather chunk width. Padded: ``padded_vocab/n`` with quantum ``lcm(pad_to, n)``;
+    uneven: ``ceil(V/n)``; replicated: ``V``."""
+    return VocabLayout(vocab, ranks, pad_to=pad_to, scheme=scheme).max_rows
+
+
+def weight_bytes(rows: int, hidden: int, dtype_bytes: int, matrices: int = 2) -> int:
+    """Bytes of ``matrices`` ``[rows, hidden]`` tables (embedding and head; one when tied)."""
+    return matrices * rows * hidden * dtype_bytes
+
+
+def logits_bytes(rows: int, cols: int, dtype_bytes: int) -> int:
+    """Bytes of one ``[rows, cols]`` logits buffer."""
+    return rows * cols * dtype_bytes
+
+
+def head_flops(rows: int, cols: int, hidden: int) -> int:
+    """``2·rows·cols·hidden``: the head GEMM producing ``[rows, cols]`` logits."""
+    return 2 * rows * cols * hidden
+
+
+def all_reduce_bytes(nbytes: int, ranks: int) -> int:
+    """Ring all-reduce of an ``nbytes`` tensor: ``2(n-1)/n·nbytes`` per rank."""
+    return round(2 * (ranks - 1) / ranks * nbytes)
+
+
+def embedding_exchange_bytes(mode: str, tokens: int, hidden: int, ranks: int, dtype_bytes: int,
+                             *, owned: int | None = None) -> int:
+    """Bytes a rank receives to assemble ``[tokens, hidden]`` embeddings, once per forward.
+
+    ``all_reduce``: masked rows summed, ``2(n-1)/n·T·H·b``. ``owner_gather``: owners send only
+    their rows, so a rank receives the rows it does not own, ``(T - owned)·H·b`` (``owned``
+    defaults to an even share, rounded down). ``local``: a replicated table, nothing."""
+    if mode == "all_reduce":
+        return all_reduce_bytes(tokens * hidden * dtype_bytes, ranks)
+    if mode == "owner_gather":
+        owned = tokens // ranks if owned is None else owned
+        if not 0 <= owned <= tokens:
+            raise ValueError(f"owned must be in [0, tokens={tokens}], got {owned}")
+        return (tokens - owned) * hidden * dtype_bytes
+    if mode == "local":
+        return 0
+    raise ValueError(f"unknown embedding exchange {mode!r}; expected one of {EMBEDDING_EXCHANGES}")
+
+
+def hidden_gather_bytes(batch: int, dp: int, hidden: int, dtype_bytes: int) -> int:
+    """DP attention feeding a sharded head: all-gather of each DP group's ``ceil(B/dp)`` hidden
+    rows, ``(dp-1)·ceil(B/dp)·H·b``; zero when attention is tensor-parallel (``dp=1``)."""
+    return (dp - 1) * -(-batch // dp) * hidden * dtype_bytes
+
+
+def logits_collection_bytes(strategy: str, batch: int, vocab: int, ranks: int, dtype_bytes: int,
+                            *, scheme: str = "padded", pad_to: int = 64) -> int:
+    """Bytes the busiest rank receives to collect ``[batch, shard]`` logits shards, per step.
+
+    ``all_gather``, ``gather`` (the destination) and ``dp_gather_scatter`` (all-gather, then
+    keep one's rows): ``(n-1)·B·c·b`` with ``c`` the largest shard. ``all_to_all``: each rank
+    receives the other shards of its ``ceil(B/n)``-row block, ``(n-1)·ceil(B/n)·c·b``.
+    ``none`` (sharded sampling) and ``replicated``: nothing. Sampled ids sent back are not
+    counted."""
+    c = shard_rows(vocab, ranks, scheme, pad_to)
+    if strategy in ("all_gather", "gather", "dp_gather_scatter"):
+        return (ranks - 1) * logits_bytes(batch, c, dtype_bytes)
+    if strategy == "all_to_all":
+        return (ranks - 1) * logits_bytes(-(-batch // ranks), c, dtype_bytes)
+    if strategy in ("none", "replicated"):
+        return 0
+    raise ValueError(f"unknown collection strategy {strategy!r}; expected one of {COLLECTIONS}")
+
+
+def logits_buffer_bytes(strategy: str, batch: int, vocab: int, ranks: int, dtype_bytes: int,
+                        *, scheme: str = "padded", pad_to: int = 64, dp: int = 1) -> int:
+    """Peak logits memory on the busiest rank: the local ``[B, c]`` shard plus what the
+    strategy collects -- ``[B, n·c]`` (all_gather, gather), that plus the kept
+    ``[ceil(B/dp), V]`` rows (dp_gather_scatter), ``[ceil(B/n), n·c]`` (all_to_all), nothing
+    (none). Replicated: ``[ceil(B/dp), V]`` computed locally."""
+    if strategy == "replicated":
+        return logits_bytes(-(-batch // dp), vocab, dtype_bytes)
+    c = shard_rows(vocab, ranks, scheme, pad_to)
+    collected = {"all_gather": logits_bytes(batch, ranks * c, dtype_bytes),
+                 "gather": logits_bytes(batch, ranks * c, dtype_bytes),
+                 "dp_gather_scatter": logits_bytes(batch, ranks * c, dtype_bytes)
+                 + logits_bytes(-(-batch // dp), vocab, dtype_bytes),
+                 "all_to_all": logits_bytes(-(-batch // ranks), ranks * c, dtype_bytes),
+                 "none": 0}
+    if strategy not in collected:
+        raise ValueError(f"unknown collection strategy {strategy!r}; expected one of {COLLECTIONS}")
+    return logits_bytes(batch, c, dtype_bytes) + collected[strategy]
+
+
+def greedy_sampling_bytes(batch: int, ranks: int) -> int:
+    """Greedy on sharded logits: all-gather of one (fp32 value, int64 id) pair per row,
+    ``(n-1)·B·12`` received per rank -- independent of the vocabulary."""
+    return (ranks - 1) * batch * GREEDY_PAIR_BYTES
+
+
+def transfer_time(nbytes: float, bandwidth: float) -> float:
+    """Seconds to move ``nbytes`` at ``bandwidth`` bytes/s."""
+    return nbytes / bandwidth
+
+
+def compute_time(flops: float, throughput: float) -> float:
+    """Seconds for ``flops`` at ``throughput`` FLOP/s."""
+    return flops / throughput
+
+
+def kv_tokens(nbytes: float, kv_bytes_per_token: float) -> int:
+    """KV-cache tokens that ``nbytes`` of memory would hold."""
+    return math.floor(nbytes / kv_bytes_per_token)
+
+
+# ---------------------------------------------------------------------- workload and designs
+@dataclass(frozen=True)
+class Workload:
+    """A model shape and a serving workload, in base units (bytes, bytes/s, FLOP/s).
+
+    ``batch``: rows needing logits per decode step over the group; ``tokens``: tokens per
+    forward (prefill) for the embedding; ``dp``: data-parallel attention groups (1 = attention
+    TP); it must divide ``ranks``."""
+
+    vocab: int
+    hidden: int
+    tied: bool = False
+    ranks: int = 8
+    dp: int = 1
+    batch: int = 256
+    tokens: int = 8192
+    weight_dtype_bytes: int = 2
+    logits_dtype_bytes: int = 2
+    bandwidth: float = 300e9
+    flops: float = 600e12
+    kv_bytes_per_token: float = 890
+    pad_to: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "hidden", "ranks", "dp", "weight_dtype_bytes", "logits_dtype_bytes",
+                     "pad_to", "bandwidth", "flops", "kv_bytes_per_token"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("batch", "tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
+        if self.ranks % self.dp:
+            raise ValueError(f"dp={self.dp} must divide ranks={self.ranks}")
+
+    @property
+    def matrices(self) -> int:
+        return 1 if self.tied else 2
+
+
+@dataclass(frozen=True)
+class Design:
+    """One engine's way through the vocabulary dimension: layout scheme, embedding exchange,
+    logits collection. ``single_device``: no TP at all (llama.cpp; input embedding on the host)."""
+
+    name: str
+    engine: str
+    scheme: str
+    embedding: str
+    collection: str
+    summary: str
+    single_device: bool = False
+
+
+DESIGNS: tuple[Design, ...] = (
+    Design("vllm-all-gather", "vLLM", "padded", "all_reduce", "all_gather",
+           "pad to lcm(64, n) and shard; all-gather logits to every rank"),
+    Design("vllm-gather", "vLLM", "padded", "all_reduce", "gather",
+           "pad and shard; gather logits to rank 0, which samples and broadcasts ids"),
+    Design("sglang-dp-gather-scatter", "SGLang", "padded", "all_reduce", "dp_gather_scatter",
+           "DP attention: gather hidden, head once, all-gather logits, keep own rows"),
+    Design("sglang-all-to-all", "SGLang", "padded", "all_reduce", "all_to_all",
+           "DP attention: row-block all-to-all, full-vocab rows of the own block only"),
+    Design("trtllm-uneven", "TensorRT-LLM", "uneven", "all_reduce", "all_gather",
+           "ceil(V/n) rows, no padding; size-aware all-gather"),
+    Design("llama.cpp", "llama.cpp", "replicated", "local", "replicated",
+           "no TP: one device, input embedding on the host, head on the device", single_device=True),
+    Design("deepinfer-replicated", "DeepInfer", "replicated", "local", "replicated",
+           "both matrices on every rank: local lookup, logits and sampling"),
+    Design("vocabpar-sharded", "vocabpar", "padded", "owner_gather", "none",
+           "owner-gather embedding; sample on sharded logits (greedy traffic shown)"),
+)
+
+
+@dataclass(frozen=True)
+class DesignCost:
+    """Per-rank cost of one design (busiest rank; bytes, FLOPs, seconds, tokens).
+
+    ``embedding_bytes``/``embedding_time_s``: one forward of ``tokens`` tokens.
+    ``step_bytes``/``step_time_s``: one decode step -- embedding of the ``batch`` new tokens,
+    hidden gather, logits collection or sampling traffic, plus the head GEMM.
+    ``extra_memory_bytes``: weights + logits above the leanest design; ``kv_tokens`` what that
+    memory would hold as KV cache."""
+
+    name: str
+    engine: str
+    summary: str
+    ranks: int
+    weight_bytes: int
+    logits_buffer_bytes: int
+    memory_bytes: int
+    embedding_bytes: int
+    embedding_time_s: float
+    hidden_gather_bytes: int
+    collection_bytes: int
+    step_bytes: int
+    head_flops: int
+    head_time_s: float
+    step_time_s: float
+    extra_memory_bytes: int = 0
+    kv_tokens: int = 0
+
+
+def design_cost(design: Design, w: Workload) -> DesignCost:
+    """Price ``design`` on workload ``w`` (``extra_memory_bytes``/``kv_tokens`` left at 0; see
+    ``plan``)."""
+    n = 1 if design.single_device else w.ranks
+    dp = 1 if design.single_device else w.dp
+    replicated = design.scheme == "replicated"
+    cols = shard_rows(w.vocab, n, design.scheme, w.pad_to)
+    matrices = 1 if design.single_device else w.matrices
+    weights = weight_bytes(cols, w.hidden, w.weight_dtype_bytes, matrices)
+    logits = logits_buffer_bytes(design.collection, w.batch, w.vocab, n, w.logits_dtype_bytes,
+                                 scheme=design.scheme, pad_to=w.pad_to, dp=dp)
+    embedding = embedding_exchange_bytes(design.embedding, w.tokens, w.hidden, n, w.weight_dtype_bytes)
+    hidden = 0 if replicated else hidden_gather_bytes(w.batch, dp, w.hidden, w.weight_dtype_bytes)
+    if design.collection == "none":
+        collection = greedy_sampling_bytes(w.batch, n)
+    else:
+        collection = logits_collection_bytes(design.collection, w.batch, w.vocab, n,
+                                             w.logits_dtype_bytes, scheme=design.scheme, pad_to=w.pad_to)
+    step = (embedding_exchange_bytes(design.embedding, w.batch, w.hidden, n, w.weight_dtype_bytes)
+            + hidden + collection)
+    flops = head_flops(-(-w.batch // dp) if replicated else w.batch, cols, w.hidden)
+    head_time = compute_time(flops, w.flops)
+    return DesignCost(design.name, design.engine, design.summary, n, weights, logits, weights + logits,
+                      embedding, transfer_time(embedding, w.bandwidth), hidden, collection, step,
+                      flops, head_time, transfer_time(step, w.bandwidth) + head_time)
+
+
+def plan(w: Workload, designs: tuple[Design, ...] = DESIGNS) -> list[DesignCost]:
+    """Every design priced on ``w``, with its memory above the leanest one in KV tokens."""
+    costs = [design_cost(d, w) for d in designs]
+    leanest = min(c.memory_bytes for c in costs)
+    return [replace(c, extra_memory_bytes=c.memory_bytes - leanest,
+                    kv_tokens=kv_tokens(c.memory_bytes - leanest, w.kv_bytes_per_token)) for c in costs]
+
+
+# ---------------------------------------------------------------------- recommendation
+@dataclass(frozen=True)
+class Recommendation:
+    design: str
+    reason: str
+    ranking: tuple[str, ...]  # eligible designs, fastest decode step first (memory breaks ties)
+
+
+def recommend(costs: list[DesignCost], headroom_bytes: float | None = None) -> Recommendation:
+    """The fastest design per decode step among those using the full rank count whose memory
+    above the leanest fits ``headroom_bytes`` (no limit when ``None``), with the reason."""
+    if headroom_bytes is not None and headroom_bytes < 0:
+        raise ValueError(f"headroom must be non-negative, got {headroom_bytes / GiB:g} GiB")
+    ranks = max(c.ranks for c in costs)
+    ranked = sorted((c for c in costs if c.ranks == ranks), key=lambda c: (c.step_time_s, c.memory_bytes))
+    fits = [c for c in ranked if headroom_bytes is None or c.extra_memory_bytes <= headroom_bytes]
+    best = fits[0]
+    leanest = min(ranked, key=lambda c: c.memory_bytes)
+    runner = next((c for c in fits[1:] if c.step_time_s > best.step_time_s), None)
+    reason = (f"{best.name} has the shortest estimated decode step"
+              f"{' within the headroom' if best is not ranked[0] else ''}: "
+              f"{human(best.step_time_s, 'seconds')} ({human(best.step_bytes, 'bytes')} received, "
+              f"head {human(best.head_time_s, 'seconds')})")
+    reason += f" vs {human(runner.step_time_s, 'seconds')} for {runner.name}." if runner else "."
+    if best is not ranked[0]:
+        faster = ranked[0]
+        reason += (f" {faster.name} would take {human(faster.step_time_s, 'seconds')} but needs "
+                   f"{human(faster.extra_memory_bytes, 'ibytes')} more per rank than {leanest.name}, "
+                   f"above the {human(headroom_bytes, 'ibytes')} headroom.")
+    elif best.extra_memory_bytes:
+        reason += (f" It holds {human(best.extra_memory_bytes, 'ibytes')} more per rank than "
+                   f"{leanest.name}, room for {human(best.kv_tokens, 'tokens')} of KV cache.")
+    else:
+        reason += f" It is also the leanest design ({human(best.memory_bytes, 'ibytes')} per rank)."
+    return Recommendation(best.name, reason, tuple(c.name for c in ranked))
+
+
+# ---------------------------------------------------------------------- units and the study
+_SCALES = {
+    "bytes": (("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1)),
+    "ibytes": (("GiB", GiB), ("MiB", MiB), ("KiB", KiB), ("B", 1)),
+    "seconds": (("s", 1), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9)),
+    "flops": (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("FLOP", 1)),
+    "tokens": (("M tokens", 1e6), ("k tokens", 1e3), ("tokens", 1)),
+}
+UNITS = {unit: scale for scales in _SCALES.values() for unit, scale in scales} | {"per forward": 1}
+
+
+def format_quantity(value: float, unit: str, digits: int) -> str:
+    """``value`` (base units) in ``unit`` with ``digits`` decimals: GB/MB/KB are powers of 10,
+    GiB/MiB/KiB powers of 2."""
+    return f"{value / UNITS[unit]:.{digits}f} {unit}"
+
+
+def human(value: float, kind: str) -> str:
+    """``value`` in the largest unit of ``kind`` (bytes, ibytes, seconds, flops, tokens) that
+    keeps it at least 1; two decimals below 10, else one; none for whole units (B, FLOP)."""
+    scales = _SCALES[kind]
+    unit, scale = next(((u, s) for u, s in scales if abs(value) >= s), scales[-1])
+    digits = 0 if scale == 1 and kind != "seconds" else 2 if abs(value) < 10 * scale else 1
+    return format_quantity(value, unit, digits)
+
+
+# The reference workload of the study (SPEC section 1): DeepSeek-V4.1-Flash, TP=8, BF16.
+STUDY = Workload(vocab=129280, hidden=5120, tied=False, ranks=8, batch=256, tokens=8192)
+
+
+@dataclass(frozen=True)
+class StudyFigure:
+    """One number of the study recomputed: ``value`` in base units, shown in ``unit`` with
+    ``digits`` decimals, next to the study's printed figure (``None``: the study has none)."""
+
+    quantity: str
+    value: float
+    unit: str
+    digits: int
+    study: str | None
+    note: str = ""
+
+    @property
+    def text(self) -> str:
+        return format_quantity(self.value, self.unit, self.digits)
+
+    @property
+    def agrees(self) -> bool:
+        return self.study is None or self.text == self.study
+
+
+def study_figures() -> list[StudyFigure]:
+    """SPEC section 1 recomputed from the formulas above, with the study's errors named."""
+    s = STUDY
+    V, H, n, b = s.vocab, s.hidden, s.ranks, s.weight_dtype_bytes
+    full = weight_bytes(V, H, b, 1)
+    shard = weight_bytes(shard_rows(V, n, pad_to=s.pad_to), H, b, 1)
+    emb = embedding_exchange_bytes("all_reduce", s.tokens, H, n, b)
+    gathered = logits_collection_bytes("all_gather", s.batch, V, n, 2, pad_to=s.pad_to)
+    extra = 2 * (full - shard)
+    F = StudyFigure
+    return [
+        F("one BF16 matrix, V·H·2", full, "GiB", 2, "1.23 GiB"),
+        F("both matrices", 2 * full, "GiB", 2, "2.47 GiB"),
+        F("TP=8 shard of one matrix", shard, "MiB", 1, "157.8 MiB"),
+        F("TP=8 shards of both", 2 * shard, "MiB", 1, "315.6 MiB"),
+        F("saved per matrix per rank by sharding", full - shard, "GiB", 2, "1.07 GiB",
+          "rounding: 1.2329 - 0.1541 = 1.0788 GiB"),
+        F("logits B=256 BF16", logits_bytes(256, V, 2), "MiB", 1, "63.1 MiB"),
+        F("  TP=8 shard", logits_bytes(256, shard_rows(V, n), 2), "MiB", 1, "7.9 MiB"),
+        F("logits B=256 FP32", logits_bytes(256, V, 4), "MiB", 1, "126.2 MiB"),
+        F("  TP=8 shard", logits_bytes(256, shard_rows(V, n), 4), "MiB", 1, "15.8 MiB"),
+        F("logits B=1024 FP32", logits_bytes(1024, V, 4), "MiB", 1, "504.8 MiB",
+          "rounding: 1024·V·4 B is exactly 505 MiB (the study's text says 505); 504.8 = 8 × 63.1"),
+        F("  TP=8 shard", logits_bytes(1024, shard_rows(V, n), 4), "MiB", 1, "63.1 MiB"),
+        F("embedding payload M = T·H·2, T=8192", s.tokens * H * b, "MB", 1, "83.9 MB"),
+        F("ring all-reduce per rank, 2(n-1)/n·M", emb, "MB", 1, "146.8 MB"),
+        F("  at 300 GB/s", transfer_time(emb, s.bandwidth), "ms", 2, "0.49 ms"),
+        F("embedding exchanges", 1, "per forward", 0, "1 per layer",
+          "study error: the embedding runs once per forward; per-layer all-reduces are attention/MLP"),
+        F("head FLOPs 2·B·V·H, B=256", head_flops(256, V, H), "GFLOP", 1, "338.9 GFLOP"),
+        F("head FLOPs, B=512", head_flops(512, V, H), "GFLOP", 1, "677.8 GFLOP"),
+        F("  B=256 at 600 TFLOP/s", compute_time(head_flops(256, V, H), s.flops), "ms", 2, "0.56 ms"),
+        F("  B=512 at 600 TFLOP/s", compute_time(head_flops(512, V, H), s.flops), "ms", 2, "1.13 ms"),
+        F("full BF16 logits B=256", logits_bytes(256, V, 2), "MB", 1, "66.2 MB"),
+        F("logits all-gather received per rank", gathered, "MB", 1, "57.9 MB"),
+        F("  at 300 GB/s", transfer_time(gathered, s.bandwidth), "µs", 0, "193 µs"),
+        F("greedy pairs, study's B·2·n·4", s.batch * 2 * n * 4, "KB", 0, "16 KB",
+          "the whole gathered fp32 (value, id) buffer, own pairs included"),
+        F("greedy received per rank, (n-1)·B·(4+8)", greedy_sampling_bytes(s.batch, n), "KB", 1, None,
+          "vocabpar's exact count: int64 ids, comm's all-gather model"),
+        F("replication, extra per rank", extra, "GiB", 2, "2.16 GiB"),
+        F("replication, extra over 8 ranks", (n - 1) * 2 * full, "GiB", 1, "17.3 GiB"),
+        F("KV tokens in that extra per rank, 890 B/token", kv_tokens(extra, s.kv_bytes_per_token),
+          "M tokens", 1, "24k tokens", "study error: 2.16 GiB / 890 B ≈ 2.6 M tokens, not 24k"),
+    ]
+
+
+def is_study_shape(w: Workload) -> bool:
+    """Whether ``w`` is the study's model (so its figures apply)."""
+    return (w.vocab, w.hidden, w.tied) == (STUDY.vocab, STUDY.hidden, STUDY.tied)
+
+
+# ---------------------------------------------------------------------- plot
+def plot(w: Workload, path: str, designs: tuple[Design, ...] = DESIGNS) -> None:
+    """Write a PNG: decode-step bytes received per rank vs batch size, and memory per rank
+    vs ranks, one line per design (needs the ``plot`` extra, matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ValueError("plotting needs matplotlib: pip install 'vocabpar[plot]'") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = [2**k for k in range(13)]
+    ranks = [2**k for k in range(7)]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    for i, d in enumerate(designs):
+        style = {"marker": ".", "label": d.name, "linestyle": ("-", "--", ":", "-.")[i % 4]}
+        left.plot(batches, [design_cost(d, replace(w, batch=b)).step_bytes for b in batches], **style)
+        right.plot(ranks, [design_cost(d, replace(w, ranks=r, dp=math.gcd(w.dp, r))).memory_bytes / GiB
+                           for r in ranks], **style)
+    left.set(xscale="log", xlabel="batch (rows needing logits)",
+             ylabel="bytes received per rank per decode step",
+             title=f"V={w.vocab}, H={w.hidden}, {w.ranks} ranks, dp {w.dp}")
+    left.set_yscale("symlog", linthresh=1e3)
+    left.set_ylim(bottom=0)
+    right.set(xlabel="ranks", ylabel="weights + logits per rank (GiB)",
+              title=f"B={w.batch}")
+    right.set_xscale("log", base=2)
+    left.legend(fontsize=7)
+    for ax in (left, right):
+        ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

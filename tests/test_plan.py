@@ -1,0 +1,215 @@
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from vocabpar import VocabLayout
+from vocabpar import plan as P
+from vocabpar.cli import main
+from vocabpar.presets import preset
+
+V, H = 129280, 5120  # DeepSeek-V4.1-Flash
+
+
+def _workload(name: str, **kw) -> P.Workload:
+    m = preset(name)
+    return P.Workload(vocab=m.vocab_size, hidden=m.hidden_size, tied=m.tied, **kw)
+
+
+def _costs(w: P.Workload) -> dict[str, P.DesignCost]:
+    return {c.name: c for c in P.plan(w)}
+
+
+# ---------------------------------------------------------------------- SPEC section 1
+SPEC_1 = {  # quantity -> (ours at the study's precision, the study's figure)
+    "one BF16 matrix, V·H·2": ("1.23 GiB", "1.23 GiB"),
+    "both matrices": ("2.47 GiB", "2.47 GiB"),
+    "TP=8 shard of one matrix": ("157.8 MiB", "157.8 MiB"),
+    "TP=8 shards of both": ("315.6 MiB", "315.6 MiB"),
+    "saved per matrix per rank by sharding": ("1.08 GiB", "1.07 GiB"),
+    "logits B=256 BF16": ("63.1 MiB", "63.1 MiB"),
+    "logits B=256 FP32": ("126.2 MiB", "126.2 MiB"),
+    "logits B=1024 FP32": ("505.0 MiB", "504.8 MiB"),
+    "embedding payload M = T·H·2, T=8192": ("83.9 MB", "83.9 MB"),
+    "ring all-reduce per rank, 2(n-1)/n·M": ("146.8 MB", "146.8 MB"),
+    "embedding exchanges": ("1 per forward", "1 per layer"),
+    "head FLOPs 2·B·V·H, B=256": ("338.9 GFLOP", "338.9 GFLOP"),
+    "head FLOPs, B=512": ("677.8 GFLOP", "677.8 GFLOP"),
+    "  B=256 at 600 TFLOP/s": ("0.56 ms", "0.56 ms"),
+    "  B=512 at 600 TFLOP/s": ("1.13 ms", "1.13 ms"),
+    "full BF16 logits B=256": ("66.2 MB", "66.2 MB"),
+    "logits all-gather received per rank": ("57.9 MB", "57.9 MB"),
+    "greedy pairs, study's B·2·n·4": ("16 KB", "16 KB"),
+    "greedy received per rank, (n-1)·B·(4+8)": ("21.5 KB", None),
+    "replication, extra per rank": ("2.16 GiB", "2.16 GiB"),
+    "replication, extra over 8 ranks": ("17.3 GiB", "17.3 GiB"),
+    "KV tokens in that extra per rank, 890 B/token": ("2.6 M tokens", "24k tokens"),
+}
+
+
+def test_study_figures_at_printed_precision():
+    figures = P.study_figures()
+    by_name = {f.quantity: f for f in figures}
+    for quantity, (ours, study) in SPEC_1.items():
+        assert (by_name[quantity].text, by_name[quantity].study) == (ours, study), quantity
+    texts = [f.text for f in figures]
+    assert texts.count("7.9 MiB") == 1 and texts.count("15.8 MiB") == 1  # TP=8 logits shards
+    assert texts.count("63.1 MiB") == 2  # B=256 BF16 full, B=1024 FP32 shard
+    assert texts.count("0.49 ms") == 1 and texts.count("193 µs") == 1
+
+
+def test_study_disagreements_are_named():
+    differs = {f.quantity for f in P.study_figures() if not f.agrees}
+    assert differs == {"saved per matrix per rank by sharding", "logits B=1024 FP32",
+                       "embedding exchanges", "KV tokens in that extra per rank, 890 B/token"}
+    notes = " ".join(f.note for f in P.study_figures())
+    assert "once per forward" in notes and "not 24k" in notes
+
+
+def test_study_bytes_exact():
+    assert P.weight_bytes(V, H, 2, 1) == 1_323_827_200
+    assert P.shard_rows(V, 8) == V // 8  # 129280 is a multiple of 64·8: no padding
+    assert P.weight_bytes(P.shard_rows(V, 8), H, 2, 1) == 165_478_400
+    assert P.embedding_exchange_bytes("all_reduce", 8192, H, 8, 2) == 146_800_640
+    assert P.logits_collection_bytes("all_gather", 256, V, 8, 2) == 57_917_440
+    assert P.greedy_sampling_bytes(256, 8) == 7 * 256 * 12
+    assert P.head_flops(256, V, H) == 338_899_763_200
+    costs = _costs(P.STUDY)
+    extra = costs["deepinfer-replicated"].weight_bytes - costs["vllm-all-gather"].weight_bytes
+    assert extra == 2_316_697_600 and P.kv_tokens(extra, 890) == 2_603_031
+
+
+# ---------------------------------------------------------------------- formulas
+def test_comm_byte_model():
+    """Same per-rank model as vocabpar.comm: ring all-reduce 2(n-1)/n·M, all-gather (n-1)·chunk."""
+    M = 1000 * 64 * 2
+    assert P.embedding_exchange_bytes("all_reduce", 1000, 64, 4, 2) == round(2 * 3 / 4 * M)
+    assert P.embedding_exchange_bytes("all_reduce", 1000, 64, 1, 2) == 0
+    # owner gather receives only the rows it does not own: half a ring all-reduce when balanced
+    assert 2 * P.embedding_exchange_bytes("owner_gather", 8192, H, 8, 2) == \
+        P.embedding_exchange_bytes("all_reduce", 8192, H, 8, 2)
+    assert P.embedding_exchange_bytes("owner_gather", 10, 4, 3, 2, owned=7) == 3 * 4 * 2
+    assert P.embedding_exchange_bytes("local", 10, 4, 3, 2) == 0
+    with pytest.raises(ValueError, match="owned"):
+        P.embedding_exchange_bytes("owner_gather", 10, 4, 3, 2, owned=11)
+    with pytest.raises(ValueError, match="unknown embedding exchange"):
+        P.embedding_exchange_bytes("psum", 10, 4, 3, 2)
+
+
+def test_ranks_not_dividing_vocab():
+    # llama-2-7b at 3 ranks: padded to lcm(64, 3) = 192 -> 32064 rows; uneven ceil -> 10667
+    assert P.shard_rows(32000, 3) == 32064 // 3 == VocabLayout(32000, 3).max_rows
+    assert P.shard_rows(32000, 3, "uneven") == 10667
+    costs = _costs(_workload("llama-2-7b", ranks=3, batch=5))
+    assert costs["vllm-all-gather"].weight_bytes == 2 * 10688 * 4096 * 2
+    assert costs["trtllm-uneven"].weight_bytes == 2 * 10667 * 4096 * 2
+    assert costs["trtllm-uneven"].collection_bytes == 2 * 5 * 10667 * 2
+    assert costs["sglang-all-to-all"].collection_bytes == 2 * 2 * 10688 * 2  # ceil(5/3) = 2 rows
+    # uneven with an empty trailing shard: chunks padded to the largest (3 rows)
+    assert P.logits_collection_bytes("all_gather", 2, 5, 4, 4, scheme="uneven") == 3 * 2 * 2 * 4
+    assert P.logits_collection_bytes("gather", 2, 5, 4, 4, scheme="uneven") == 3 * 2 * 2 * 4
+
+
+def test_tied_weights_are_one_matrix():
+    w = _workload("gpt2", ranks=8)
+    costs = _costs(w)
+    assert w.matrices == 1
+    assert costs["vllm-all-gather"].weight_bytes == 50304 // 8 * 768 * 2
+    assert costs["trtllm-uneven"].weight_bytes == math.ceil(50257 / 8) * 768 * 2
+    assert costs["deepinfer-replicated"].weight_bytes == 50257 * 768 * 2
+    untied = _costs(replace(w, tied=False))
+    assert untied["deepinfer-replicated"].weight_bytes == 2 * costs["deepinfer-replicated"].weight_bytes
+
+
+def test_other_preset_per_design():
+    w = _workload("qwen2.5-7b", ranks=8, dp=8, batch=64, tokens=100, logits_dtype_bytes=4)
+    c = _costs(w)
+    rows = 152064 // 8
+    assert c["vllm-all-gather"].collection_bytes == 7 * 64 * rows * 4
+    assert c["sglang-all-to-all"].collection_bytes == 7 * 8 * rows * 4
+    assert c["sglang-dp-gather-scatter"].hidden_gather_bytes == 7 * 8 * 3584 * 2
+    assert c["vocabpar-sharded"].collection_bytes == 7 * 64 * 12
+    assert c["vocabpar-sharded"].embedding_bytes == (100 - 12) * 3584 * 2
+    assert c["deepinfer-replicated"].head_flops == 2 * 8 * 152064 * 3584  # own 8 rows, full vocab
+    assert c["deepinfer-replicated"].step_bytes == 0
+    assert c["llama.cpp"].ranks == 1 and c["llama.cpp"].weight_bytes == 152064 * 3584 * 2
+    for cost in c.values():
+        assert cost.memory_bytes == cost.weight_bytes + cost.logits_buffer_bytes
+        assert cost.step_time_s == pytest.approx(cost.step_bytes / 300e9 + cost.head_flops / 600e12)
+    assert min(x.extra_memory_bytes for x in c.values()) == 0
+    assert c["deepinfer-replicated"].kv_tokens == c["deepinfer-replicated"].extra_memory_bytes // 890
+
+
+def test_empty_batch_and_single_rank():
+    for cost in P.plan(replace(P.STUDY, batch=0)):
+        assert cost.step_bytes == cost.head_flops == cost.collection_bytes == 0
+        assert cost.logits_buffer_bytes == 0
+    assert P.recommend(P.plan(replace(P.STUDY, batch=0))).design
+    for cost in P.plan(replace(P.STUDY, ranks=1)):
+        assert cost.ranks == 1 and cost.step_bytes == cost.embedding_bytes == 0
+
+
+def test_workload_validation():
+    for bad in ({"vocab": -5}, {"hidden": 0}, {"ranks": 0}, {"batch": -1}, {"dp": 3},
+                {"bandwidth": 0}, {"pad_to": 0}):
+        with pytest.raises(ValueError):
+            replace(P.STUDY, **bad)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        P.dtype_bytes("fp7")
+    with pytest.raises(ValueError, match="unknown collection"):
+        P.logits_collection_bytes("psum", 1, 10, 2, 4)
+
+
+# ---------------------------------------------------------------------- recommendation
+def test_recommendation_trades_memory_for_latency():
+    dp = P.plan(replace(P.STUDY, dp=8))
+    rec = P.recommend(dp)
+    assert rec.design == "deepinfer-replicated" and "KV cache" in rec.reason
+    assert "llama.cpp" not in rec.ranking  # one device, not an 8-rank design
+    tight = P.recommend(dp, headroom_bytes=1 * P.GiB)
+    assert tight.design == "vocabpar-sharded"
+    assert "deepinfer-replicated would take" in tight.reason and "headroom" in tight.reason
+    assert P.recommend(P.plan(P.STUDY)).design == "vocabpar-sharded"  # attention TP: no free rows
+    with pytest.raises(ValueError, match="headroom"):
+        P.recommend(dp, headroom_bytes=-1)
+
+
+# ---------------------------------------------------------------------- CLI
+def test_cli_default_reproduces_the_study(capsys):
+    assert main(["plan"]) == 0
+    out = capsys.readouterr().out
+    for text in ("1.23 GiB", "157.8 MiB", "57.9 MB", "193 µs", "16 KB", "2.16 GiB", "2.6 M tokens",
+                 "recommendation:", "vocabpar-sharded"):
+        assert text in out
+    assert main(["plan", "--preset", "gpt2"]) == 0
+    assert "the study" not in capsys.readouterr().out
+
+
+def test_cli_json_base_units(capsys):
+    assert main(["plan", "--json", "--ranks", "4", "--vocab", "1000", "--hidden", "64", "--tied"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["workload"]["bandwidth"] == 300e9 and data["workload"]["tied"] is True
+    assert len(data["designs"]) == len(P.DESIGNS) and data["study"] == []
+    assert data["recommendation"]["design"] in data["recommendation"]["ranking"]
+    assert main(["plan", "--json"]) == 0
+    study = json.loads(capsys.readouterr().out)["study"]
+    assert {"quantity", "value", "unit", "study", "text", "agrees"} <= set(study[0])
+
+
+@pytest.mark.parametrize("argv", [["--vocab", "-5"], ["--hidden", "0"], ["--ranks", "0"],
+                                  ["--preset", "nope"], ["--batch", "-1"], ["--weight-dtype", "fp7"],
+                                  ["--dp", "3"], ["--headroom", "-1"], ["--bandwidth", "-3"]])
+def test_cli_bad_input(argv, capsys):
+    assert main(["plan", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("vocabpar plan: error: ") and captured.err.count("\n") == 1
+
+
+def test_cli_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out.png"
+    assert main(["plan", "--plot", str(out), "--json"]) == 0
+    json.loads(capsys.readouterr().out)  # the plot message goes to stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
