@@ -17,7 +17,7 @@ from vocabpar import (
 from vocabpar.launch import LaunchError, run
 
 SHAPES = [(1026, 1010, 24), (5003, None, 16), (5, None, 8)]  # added vocab, no added vocab, empty shards
-STRATEGIES = ["all_gather", "gather", "all_to_all", "dp_gather_scatter", "none"]
+STRATEGIES = ["all_gather", "gather", "all_to_all", "dp_gather_scatter", "dp_sglang", "none"]
 
 
 def _tensors(vocab, hidden_size, dtype, seed=0):
@@ -46,9 +46,11 @@ def _collect_sweep(deterministic):
         block = torch.arange(me * 24 // n, (me + 1) * 24 // n)
         strategies = STRATEGIES + (["replicated"] if scheme == "replicated" else [])
         for strategy, max_rows in itertools.product(strategies, (None, 5)):
-            rows = dp_rows if strategy == "dp_gather_scatter" else block if strategy == "all_to_all" else None
-            h = hidden[dp_rows] if strategy == "dp_gather_scatter" else hidden
-            got = compute_logits(head, h, strategy=strategy, max_rows=max_rows, dst=n - 1)
+            dp = strategy.startswith("dp_")
+            rows = dp_rows if dp else block if strategy == "all_to_all" else None
+            h = hidden[dp_rows] if dp else hidden
+            got = compute_logits(head, h, strategy="dp_gather_scatter" if dp else strategy, max_rows=max_rows,
+                                 dst=n - 1, scatter="all_gather" if strategy == "dp_sglang" else "all_to_all")
             want = ref if rows is None else ref[rows]
             if strategy == "gather" and me != n - 1:
                 ok = got is None

@@ -86,10 +86,10 @@ def test_comm_byte_model():
     M = 1000 * 64 * 2
     assert P.embedding_exchange_bytes("all_reduce", 1000, 64, 4, 2) == round(2 * 3 / 4 * M)
     assert P.embedding_exchange_bytes("all_reduce", 1000, 64, 1, 2) == 0
-    # owner gather receives only the rows it does not own: half a ring all-reduce when balanced
+    # owner gather: an all-gather of owner blocks, half a ring all-reduce when balanced
     assert 2 * P.embedding_exchange_bytes("owner_gather", 8192, H, 8, 2) == \
         P.embedding_exchange_bytes("all_reduce", 8192, H, 8, 2)
-    assert P.embedding_exchange_bytes("owner_gather", 10, 4, 3, 2, owned=7) == 3 * 4 * 2
+    assert P.embedding_exchange_bytes("owner_gather", 10, 4, 3, 2, owned=7) == 2 * 7 * 4 * 2
     assert P.embedding_exchange_bytes("local", 10, 4, 3, 2) == 0
     with pytest.raises(ValueError, match="owned"):
         P.embedding_exchange_bytes("owner_gather", 10, 4, 3, 2, owned=11)
@@ -130,7 +130,7 @@ def test_other_preset_per_design():
     assert c["sglang-all-to-all"].collection_bytes == 7 * 8 * rows * 4
     assert c["sglang-dp-gather-scatter"].hidden_gather_bytes == 7 * 8 * 3584 * 2
     assert c["vocabpar-sharded"].collection_bytes == 7 * 64 * 12
-    assert c["vocabpar-sharded"].embedding_bytes == (100 - 12) * 3584 * 2
+    assert c["vocabpar-sharded"].embedding_bytes == 7 * 13 * 3584 * 2  # (n-1)·ceil(T/n)·H·b
     assert c["deepinfer-replicated"].head_flops == 2 * 8 * 152064 * 3584  # own 8 rows, full vocab
     assert c["deepinfer-replicated"].step_bytes == 0
     assert c["llama.cpp"].ranks == 1 and c["llama.cpp"].weight_bytes == 152064 * 3584 * 2

@@ -111,7 +111,7 @@ def _chunks(total: int, step: int) -> Iterator[slice]:
 
 def iter_logits(head: ParallelLMHead, hidden: torch.Tensor, *, strategy: str,
                 group: ProcessGroup = None, max_rows: int | None = None, dst: int = 0,
-                ) -> Iterator[tuple[slice, torch.Tensor | None]]:
+                scatter: str = "all_to_all") -> Iterator[tuple[slice, torch.Tensor | None]]:
     """Yield ``(rows, logits)`` chunk by chunk: ``logits`` are this rank's output rows ``rows``
     (``None`` off the destination for ``gather``; a ``[rows, shard]`` block for ``none``). At
     most ``max_rows`` rows of hidden state are computed and collected per chunk, over all ranks;
@@ -127,8 +127,10 @@ def iter_logits(head: ParallelLMHead, hidden: torch.Tensor, *, strategy: str,
         raise ValueError(f"max_rows must be a positive int or None, got {max_rows!r}")
     if strategy == "gather" and not 0 <= dst < n:
         raise ValueError(f"dst must be a rank in [0, {n}), got {dst}")
+    if scatter not in ("all_to_all", "all_gather"):
+        raise ValueError(f"scatter must be 'all_to_all' or 'all_gather', got {scatter!r}")
     if strategy == "dp_gather_scatter":
-        yield from _iter_dp(head, hidden, group, max_rows)
+        yield from _iter_dp(head, hidden, group, max_rows, scatter)
         return
     head.check_hidden(hidden)
     total = hidden.shape[0]
@@ -146,11 +148,13 @@ def iter_logits(head: ParallelLMHead, hidden: torch.Tensor, *, strategy: str,
         yield rows, _all_to_all(head, blocks[:, rows].reshape(-1, hidden.shape[1]), group, dst)
 
 
-def _iter_dp(head, hidden, group, max_rows):
+def _iter_dp(head, hidden, group, max_rows, scatter):
     """DP attention: each rank brings its own rows. Row counts and a validity flag are exchanged
     once (a bad input on one rank then fails every rank instead of leaving them waiting); per
     chunk the hidden rows are all-gathered and each rank gets back full-vocab logits for exactly
-    its rows. A replicated head needs none of this: each rank computes its own rows."""
+    its rows -- by all-to-all (each rank receives only its rows), or, with
+    ``scatter="all_gather"``, SGLang's way (every rank collects every row, keeps its own).
+    A replicated head needs none of this: each rank computes its own rows."""
     if head.layout.scheme == "replicated":
         head.check_hidden(hidden)
         for rows in _chunks(hidden.shape[0], max_rows or max(hidden.shape[0], 1)):
@@ -174,22 +178,27 @@ def _iter_dp(head, hidden, group, max_rows):
         chunk = [max(0, min(step, s - start)) for s in sizes]
         rows = slice(min(start, sizes[me]), min(start, sizes[me]) + chunk[me])
         gathered = torch.cat(comm.all_gather_uneven(hidden[rows], chunk, group))
-        yield rows, _to_owners(head, gathered, chunk, group)
+        if scatter == "all_to_all":
+            yield rows, _to_owners(head, gathered, chunk, group)
+        else:
+            first = sum(chunk[:me])
+            yield rows, _all_gather(head, gathered, group, 0)[first: first + chunk[me]]
 
 
 def compute_logits(head: ParallelLMHead, hidden: torch.Tensor, *, strategy: str,
                    group: ProcessGroup = None, max_rows: int | None = None, dst: int = 0,
-                   ) -> torch.Tensor | ShardedLogits | None:
+                   scatter: str = "all_to_all") -> torch.Tensor | ShardedLogits | None:
     """FP32 logits for the rows of ``hidden`` collected by ``strategy``:
 
     * ``all_gather`` / ``replicated``: ``[B, vocab_size]`` in token order on every rank;
     * ``gather``: the same on rank ``dst``, ``None`` elsewhere (see :func:`broadcast_tokens`);
     * ``all_to_all``: rank r gets rows ``[r*B/n, (r+1)*B/n)``, full vocab;
-    * ``dp_gather_scatter``: each rank passes its own rows and gets exactly those back;
+    * ``dp_gather_scatter``: each rank passes its own rows and gets exactly those back
+      (``scatter``: ``all_to_all`` or SGLang's ``all_gather``);
     * ``none``: :class:`ShardedLogits`, this rank's ``[B, rows]`` shard for the sampler."""
     out = None
     for rows, logits in iter_logits(head, hidden, strategy=strategy, group=group, max_rows=max_rows,
-                                    dst=dst):
+                                    dst=dst, scatter=scatter):
         if logits is None:
             continue
         if out is None:

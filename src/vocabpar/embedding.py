@@ -19,12 +19,11 @@ OOB_MODES = ("error", "zero")
 
 
 def exchange_costs(counts: list[int], total: int) -> dict[str, float]:
-    """Rows on the wire of the busiest link for each exchange, given how many of ``total``
-    looked-up rows each rank owns: ring all-reduce moves 2(n-1)/n*T per rank both ways; owner
-    gather makes rank r send its c_r rows to n-1 peers and receive the T - c_r it lacks."""
+    """Rows each rank sends and receives for each exchange, given how many of ``total`` looked-up
+    rows each rank owns: a ring all-reduce moves 2(n-1)/n*T; the owner gather is a ring
+    all-gather of the owners' blocks padded to the largest, (n-1)*max(c)."""
     n = len(counts)
-    return {"all_reduce": 2 * (n - 1) / n * total,
-            "owner_gather": max(max((n - 1) * c, total - c) for c in counts)}
+    return {"all_reduce": 2 * (n - 1) / n * total, "owner_gather": (n - 1) * max(counts)}
 
 
 class VocabParallelEmbedding(VocabShardedMatrix):
@@ -32,8 +31,9 @@ class VocabParallelEmbedding(VocabShardedMatrix):
 
     ``ids`` must be the same on every rank (replicated, as after tokenisation); any leading
     shape. ``exchange``: ``all_reduce`` (masked rows summed bit-exactly), ``owner_gather`` (each
-    owner sends only its rows, by all-to-all) or ``auto`` (whichever moves fewer rows on the
-    busiest link for these ids). ``oob``: ``error`` rejects ids outside ``[0, vocab_size)``;
+    owner contributes only its rows to one all-gather) or ``auto`` (whichever moves fewer
+    bytes for these ids: owner gather wins when ownership is balanced, the all-reduce when
+    one rank owns most of them). ``oob``: ``error`` rejects ids outside ``[0, vocab_size)``;
     ``zero`` returns zero rows for them (multimodal placeholders)."""
 
     def __init__(self, layout: VocabLayout, embedding_dim: int, *, group: comm.ProcessGroup = None,
@@ -85,14 +85,14 @@ class VocabParallelEmbedding(VocabShardedMatrix):
         return comm.as_words(torch.cat([found.view(torch.uint8), scale_bytes], dim=1))
 
     def _owner_gather(self, ids: torch.Tensor, owner: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Each owner gathers its rows (in position order) and sends them to every peer; every
-        rank places the blocks it receives. Out-of-range ids (owner -1) stay zero."""
-        n, me = len(counts) - 1, self.rank
+        """Each owner gathers its rows (in position order); one all-gather (sizes known to all,
+        since ids are replicated) hands every rank every block, which it places by position.
+        Out-of-range ids (owner -1) stay zero."""
+        me = self.rank
         order = torch.argsort(owner, stable=True)  # out-of-range first, then by owner
         starts = torch.tensor(counts).cumsum(0).tolist()
-        mine = order[starts[me]: starts[me + 1]]
-        block = self._local_rows(ids.index_select(0, mine))
-        received = comm.all_to_all(block.repeat(n, 1), [block.shape[0]] * n, counts[1:], self.group)
+        block = self._local_rows(ids.index_select(0, order[starts[me]: starts[me + 1]]))
+        received = torch.cat(comm.all_gather_uneven(block, counts[1:], self.group))
         make = torch.zeros if counts[0] else torch.empty
         out = make((ids.numel(), block.shape[1]), dtype=block.dtype, device=block.device)
         out.index_copy_(0, order[counts[0]:], received)

@@ -67,16 +67,17 @@ def embedding_exchange_bytes(mode: str, tokens: int, hidden: int, ranks: int, dt
                              *, owned: int | None = None) -> int:
     """Bytes a rank receives to assemble ``[tokens, hidden]`` embeddings, once per forward.
 
-    ``all_reduce``: masked rows summed, ``2(n-1)/n·T·H·b``. ``owner_gather``: owners send only
-    their rows, so a rank receives the rows it does not own, ``(T - owned)·H·b`` (``owned``
-    defaults to an even share, rounded down). ``local``: a replicated table, nothing."""
+    ``all_reduce``: masked rows summed, ``2(n-1)/n·T·H·b``. ``owner_gather``: each owner puts
+    only its rows into one ring all-gather whose blocks are padded to the largest owner's
+    count ``owned`` (default: an even share, ``ceil(T/n)``), ``(n-1)·owned·H·b``.
+    ``local``: a replicated table, nothing."""
     if mode == "all_reduce":
         return all_reduce_bytes(tokens * hidden * dtype_bytes, ranks)
     if mode == "owner_gather":
-        owned = tokens // ranks if owned is None else owned
+        owned = -(-tokens // ranks) if owned is None else owned
         if not 0 <= owned <= tokens:
             raise ValueError(f"owned must be in [0, tokens={tokens}], got {owned}")
-        return (tokens - owned) * hidden * dtype_bytes
+        return (ranks - 1) * owned * hidden * dtype_bytes
     if mode == "local":
         return 0
     raise ValueError(f"unknown embedding exchange {mode!r}; expected one of {EMBEDDING_EXCHANGES}")

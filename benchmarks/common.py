@@ -1,0 +1,47 @@
+"""Shared timing helpers for the benchmarks (run inside vocabpar.launch ranks)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from vocabpar import comm
+
+
+def timed(fn: Callable[[], object], reps: int, warmup: int = 2, sync: bool = True) -> float:
+    """Median seconds per call of ``fn``; with ``sync`` all ranks start each call together and
+    the slowest rank's time counts (max over ranks)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(reps):
+        if sync and dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    median = statistics.median(samples)
+    if sync and dist.is_initialized():
+        import torch
+        t = torch.tensor([median])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # bookkeeping only: not counted as traffic
+        median = t.item()
+    return median
+
+
+def bytes_of(fn: Callable[[], object]) -> tuple[int, int]:
+    """(sent, received) bytes this rank moves during one call of ``fn``."""
+    comm.reset_traffic()
+    fn()
+    return comm.total_bytes()
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return str(n)
