@@ -67,8 +67,8 @@ def bench(tokens: int, reps: int) -> dict:
         owned = torch.bincount(layout.owner(kind_ids), minlength=n).tolist()
         row = {"owned": owned}
         for mode, module in emb.items():
-            row[mode] = (timed(lambda m=module: m(kind_ids), reps), bytes_of(lambda m=module: m(kind_ids)),
-                         module.last_exchange)
+            step = lambda m=module, i=kind_ids: m(i)
+            row[mode] = (timed(step, reps), bytes_of(step), module.last_exchange)
         row["dtensor"] = (_dtensor(table, kind_ids, reps))
         results["exchange"][kind] = row
     return results if me == 0 else {}
@@ -109,14 +109,17 @@ def main() -> None:
     for kind, row in res["exchange"].items():
         ar = row["all_reduce"][0]
         print(f"**{kind} ids** (tokens owned per rank: {row['owned']})\n")
-        print("| exchange | ms | vs all_reduce | sent / rank 0 | received / rank 0 | chose |\n|---|---|---|---|---|---|")
+        print("| exchange | ms | vs all_reduce | sent / rank 0 | received / rank 0 | chose |")
+        print("|---|---|---|---|---|---|")
         for mode in ("all_reduce", "owner_gather", "auto"):
             sec, (sent, recv), chose = row[mode]
-            print(f"| {mode} | {sec * 1e3:.2f} | {ar / sec:.2f}x | {fmt_bytes(sent)} | {fmt_bytes(recv)} | {chose} |")
+            print(f"| {mode} | {sec * 1e3:.2f} | {ar / sec:.2f}x | {fmt_bytes(sent)} | {fmt_bytes(recv)} "
+                  f"| {chose} |")
         dsec, ok = row["dtensor"]
         best = min(row[m][0] for m in ("all_reduce", "owner_gather", "auto"))
         print(f"| DTensor RowwiseParallel | {dsec * 1e3:.2f} | {ar / dsec:.2f}x | | | exact={ok} |")
-        print(f"\nvocabpar auto vs DTensor: {dsec / row['auto'][0]:.2f}x faster (best mode {dsec / best:.2f}x)\n")
+        print(f"\nvocabpar auto vs DTensor: {dsec / row['auto'][0]:.2f}x faster "
+              f"(best mode {dsec / best:.2f}x)\n")
 
 
 if __name__ == "__main__":

@@ -119,7 +119,7 @@ def _special_cases():
 @pytest.mark.parametrize("n", [1, 3])
 def test_special_cases(n):
     layout = VocabLayout(1024, n, pad_to=1)
-    for rank, out in enumerate(run(_special_cases, n)):
+    for out in run(_special_cases, n):
         assert out["zero_all_reduce"] and out["zero_owner_gather"]
         assert out["oob"].startswith("ValueError: 3 token id(s) outside [0, 1000)")
         assert "(0, 1)=-1" in out["oob"] and "(1, 0)=1000" in out["oob"] and "(1, 2)=123456" in out["oob"]
