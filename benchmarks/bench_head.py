@@ -1,0 +1,137 @@
+"""LM head and logits collection benchmark: 4 gloo ranks, V=129280, H=1024 (issue 4).
+
+Side by side from one run: prefill of 8 sequences x 512 tokens, head on all rows vs the last
+row of each sequence; DP attention with 64 rows per rank, logits returned by all-to-all vs
+SGLang's all-gather-then-scatter (exact bytes, wall ratio); B=1024 FP32 logits consumed chunk
+by chunk (max_rows=64) vs collected whole (peak RSS per rank); PyTorch DTensor ColwiseParallel
+head with replicated output vs our all_gather at B=256.
+
+    .venv/bin/python benchmarks/bench_head.py [--ranks 4] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import bytes_of, fmt_bytes, timed  # noqa: E402
+
+from vocabpar import ParallelLMHead, VocabLayout, comm, compute_logits, iter_logits, select_rows  # noqa: E402
+from vocabpar.launch import run  # noqa: E402
+
+V, H = 129280, 1024
+
+
+def peak_rss_delta(fn) -> int:
+    """Bytes by which this process's peak RSS rises above its current RSS while ``fn`` runs
+    (the kernel's high-water mark is reset first)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status("VmRSS")
+    fn()
+    return _status("VmHWM") - before
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def bench(reps: int) -> dict:
+    n, me = comm.world_size(), comm.rank()
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(V, H, generator=g) / H ** 0.5).to(torch.bfloat16)
+    head = ParallelLMHead(VocabLayout(V, n), H, dtype=torch.bfloat16)
+    head.load_full_weight(weight)
+    res: dict = {}
+    # 1. prefill: all 4096 rows vs the 8 last rows (local shard logits: the head's own cost)
+    hidden = torch.randn(8 * 512, H, generator=g).to(torch.bfloat16)
+    seq_lens = torch.full((8,), 512)
+    res["prefill"] = {
+        "all rows": timed(lambda: compute_logits(head, hidden, strategy="none"), 1, warmup=0),
+        "last rows": timed(lambda: compute_logits(head, select_rows(hidden, seq_lens), strategy="none"),
+                           reps),
+    }
+    # 2. DP attention, 64 rows per rank
+    mine = torch.randn(64, H, generator=torch.Generator().manual_seed(me)).to(torch.bfloat16)
+    res["dp"] = {}
+    for scatter in ("all_to_all", "all_gather"):
+        step = lambda s=scatter: compute_logits(head, mine, strategy="dp_gather_scatter", scatter=s)
+        res["dp"][scatter] = (timed(step, reps), bytes_of(step))
+    assert torch.equal(compute_logits(head, mine, strategy="dp_gather_scatter", scatter="all_to_all"),
+                       compute_logits(head, mine, strategy="dp_gather_scatter", scatter="all_gather"))
+    # 3. B=1024 FP32: per-row reduction of full-vocab logits, chunked vs whole
+    rows = torch.randn(1024, H, generator=g).to(torch.bfloat16)
+
+    def whole():
+        return torch.logsumexp(compute_logits(head, rows, strategy="all_gather"), dim=1)
+
+    def chunked():
+        out = torch.empty(1024)
+        for part, logits in iter_logits(head, rows, strategy="all_gather", max_rows=64):
+            out[part] = torch.logsumexp(logits, dim=1)
+        return out
+
+    assert torch.allclose(whole(), chunked())
+    res["memory"] = {"chunked (max_rows=64)": peak_rss_delta(chunked), "whole": peak_rss_delta(whole)}
+    # 4. DTensor ColwiseParallel head, replicated output, vs ours at B=256
+    batch = torch.randn(256, H, generator=g).to(torch.bfloat16)
+    res["dtensor"] = {"vocabpar all_gather (fp32 logits)":
+                      timed(lambda: compute_logits(head, batch, strategy="all_gather"), reps),
+                      "DTensor ColwiseParallel (bf16 logits)": timed(_dtensor_head(weight, batch), reps)}
+    return res if me == 0 else {}
+
+
+def _dtensor_head(weight: torch.Tensor, batch: torch.Tensor):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (comm.world_size(),))
+    linear = torch.nn.Linear(H, V, bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    linear = parallelize_module(linear, mesh, ColwiseParallel(output_layouts=Replicate()))
+
+    def step():
+        with torch.no_grad():
+            return linear(batch)
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    res = run(bench, args.ranks, args.reps, timeout=900, run_timeout=1800)[0]
+    print(f"## LM head: {args.ranks} gloo ranks, V={V}, H={H}, bf16 weights, FP32 logits\n")
+    p = res["prefill"]
+    print(f"prefill 8 x 512 tokens: head on all 4096 rows {p['all rows'] * 1e3:.1f} ms, on the 8 last "
+          f"rows {p['last rows'] * 1e3:.2f} ms: {p['all rows'] / p['last rows']:.0f}x\n")
+    print("| DP attention, 64 rows/rank | ms | sent / rank 0 | received / rank 0 |\n|---|---|---|---|")
+    for scatter, (sec, (sent, recv)) in res["dp"].items():
+        print(f"| dp_gather_scatter, scatter={scatter} | {sec * 1e3:.1f} | {fmt_bytes(sent)} | "
+              f"{fmt_bytes(recv)} |")
+    a2a, ag = res["dp"]["all_to_all"], res["dp"]["all_gather"]
+    print(f"\nall_to_all is {ag[0] / a2a[0]:.2f}x faster and receives {ag[1][1] / a2a[1][1]:.2f}x fewer "
+          f"bytes than all-gather-then-scatter\n")
+    m = res["memory"]
+    print(f"B=1024 FP32 logits, per-row logsumexp: peak RSS rise chunked "
+          f"{fmt_bytes(m['chunked (max_rows=64)'])} vs whole {fmt_bytes(m['whole'])}: "
+          f"{m['chunked (max_rows=64)'] / m['whole']:.3f} of unchunked\n")
+    d = res["dtensor"]
+    ours, theirs = d["vocabpar all_gather (fp32 logits)"], d["DTensor ColwiseParallel (bf16 logits)"]
+    print(f"B=256 head + all-gather: vocabpar {ours * 1e3:.1f} ms (FP32 logits), DTensor ColwiseParallel "
+          f"{theirs * 1e3:.1f} ms (bf16 logits): {theirs / ours:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
