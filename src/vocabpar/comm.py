@@ -153,9 +153,10 @@ def all_gather(t: torch.Tensor, group: ProcessGroup = None) -> torch.Tensor:
     return out
 
 
-def all_gather_uneven(t: torch.Tensor, sizes: Sequence[int] | None = None,
-                      group: ProcessGroup = None) -> list[torch.Tensor]:
-    """Every rank's ``t`` (same trailing shape, dim 0 may differ) as a list in rank order.
+def all_gather_padded(t: torch.Tensor, sizes: Sequence[int] | None = None,
+                      group: ProcessGroup = None) -> tuple[torch.Tensor, list[int]]:
+    """Every rank's ``t`` (same trailing shape, dim 0 may differ) stacked as ``[n, max(sizes),
+    ...]`` -- rank r's rows first in slot r, zeros after them -- and the sizes.
 
     ``sizes`` (dim 0 of every rank's tensor) saves a round trip when the caller knows them
     (e.g. from the layout); otherwise they are exchanged first. Chunks travel padded to the
@@ -165,17 +166,21 @@ def all_gather_uneven(t: torch.Tensor, sizes: Sequence[int] | None = None,
         sizes = all_gather(torch.tensor([t.shape[0]], device=t.device), group).flatten().tolist()
     sizes = list(sizes)
     if len(sizes) != n or sizes[rank(group)] != t.shape[0]:
-        raise ValueError(f"all_gather_uneven: sizes {sizes} do not match this rank's "
+        raise ValueError(f"all_gather: sizes {sizes} do not match this rank's "
                          f"dim 0 = {t.shape[0]} at rank {rank(group)} of {n}")
-    if n == 1:
-        return [t]
     biggest = max(sizes)
     if t.shape[0] < biggest:
         padded = t.new_zeros((biggest, *t.shape[1:]))
         padded[: t.shape[0]] = t
         t = padded
-    stacked = all_gather(t, group)
-    return [stacked[r, : sizes[r]] for r in range(n)]
+    return all_gather(t, group), sizes
+
+
+def all_gather_uneven(t: torch.Tensor, sizes: Sequence[int] | None = None,
+                      group: ProcessGroup = None) -> list[torch.Tensor]:
+    """Every rank's ``t`` as a list in rank order (see :func:`all_gather_padded`)."""
+    stacked, sizes = all_gather_padded(t, sizes, group)
+    return [stacked[r, :s] for r, s in enumerate(sizes)]
 
 
 def gather(t: torch.Tensor, dst: int = 0, group: ProcessGroup = None) -> torch.Tensor | None:

@@ -86,17 +86,23 @@ class VocabParallelEmbedding(VocabShardedMatrix):
 
     def _owner_gather(self, ids: torch.Tensor, owner: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Each owner gathers its rows (in position order); one all-gather (sizes known to all,
-        since ids are replicated) hands every rank every block, which it places by position.
-        Out-of-range ids (owner -1) stay zero."""
-        me = self.rank
+        since ids are replicated) hands every rank every block, and a single row gather puts
+        each position's row in place. Out-of-range ids (owner -1) get zero rows."""
+        me, skipped = self.rank, counts[0]
         order = torch.argsort(owner, stable=True)  # out-of-range first, then by owner
-        starts = torch.tensor(counts).cumsum(0).tolist()
+        starts = torch.tensor(counts, device=ids.device).cumsum(0)
         block = self._local_rows(ids.index_select(0, order[starts[me]: starts[me + 1]]))
-        received = torch.cat(comm.all_gather_uneven(block, counts[1:], self.group))
-        make = torch.zeros if counts[0] else torch.empty
-        out = make((ids.numel(), block.shape[1]), dtype=block.dtype, device=block.device)
-        out.index_copy_(0, order[counts[0]:], received)
-        return out
+        stacked, _ = comm.all_gather_padded(block, counts[1:], self.group)
+        # row of stacked.flatten(0, 1) holding each owned position: owner * width + rank in block
+        owners = owner.index_select(0, order[skipped:])
+        within = torch.arange(owners.numel(), device=ids.device) - \
+            (starts[:-1] - skipped).repeat_interleave(starts.diff())
+        source = owners * stacked.shape[1] + within
+        rows = stacked.flatten(0, 1)
+        if not skipped:
+            return rows.index_select(0, torch.empty_like(source).index_copy_(0, order, source))
+        out = rows.new_zeros((ids.numel(), rows.shape[1]))
+        return out.index_copy_(0, order[skipped:], rows.index_select(0, source))
 
     def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
         raw = packed.view(torch.uint8)
