@@ -21,7 +21,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	$(BIN)/vocabpar layout
+	$(BIN)/vocabpar demo
 
 test: install
 	$(BIN)/ruff check src tests benchmarks

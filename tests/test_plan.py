@@ -41,7 +41,7 @@ SPEC_1 = {  # quantity -> (ours at the study's precision, the study's figure)
     "full BF16 logits B=256": ("66.2 MB", "66.2 MB"),
     "logits all-gather received per rank": ("57.9 MB", "57.9 MB"),
     "greedy pairs, study's B·2·n·4": ("16 KB", "16 KB"),
-    "greedy received per rank, (n-1)·B·(4+8)": ("21.5 KB", None),
+    "greedy received per rank, (n-1)·B·(8+8)": ("28.7 KB", None),
     "replication, extra per rank": ("2.16 GiB", "2.16 GiB"),
     "replication, extra over 8 ranks": ("17.3 GiB", "17.3 GiB"),
     "KV tokens in that extra per rank, 890 B/token": ("2.6 M tokens", "24k tokens"),
@@ -73,7 +73,7 @@ def test_study_bytes_exact():
     assert P.weight_bytes(P.shard_rows(V, 8), H, 2, 1) == 165_478_400
     assert P.embedding_exchange_bytes("all_reduce", 8192, H, 8, 2) == 146_800_640
     assert P.logits_collection_bytes("all_gather", 256, V, 8, 2) == 57_917_440
-    assert P.greedy_sampling_bytes(256, 8) == 7 * 256 * 12
+    assert P.greedy_sampling_bytes(256, 8) == 7 * 256 * 16
     assert P.head_flops(256, V, H) == 338_899_763_200
     costs = _costs(P.STUDY)
     extra = costs["deepinfer-replicated"].weight_bytes - costs["vllm-all-gather"].weight_bytes
@@ -128,8 +128,8 @@ def test_other_preset_per_design():
     rows = 152064 // 8
     assert c["vllm-all-gather"].collection_bytes == 7 * 64 * rows * 4
     assert c["sglang-all-to-all"].collection_bytes == 7 * 8 * rows * 4
-    assert c["sglang-dp-gather-scatter"].hidden_gather_bytes == 7 * 8 * 3584 * 2
-    assert c["vocabpar-sharded"].collection_bytes == 7 * 64 * 12
+    assert c["sglang-dp-gather-scatter"].hidden_gather_bytes == 7 * (8 + 8 * 3584 * 2)
+    assert c["vocabpar-sharded"].collection_bytes == 7 * 64 * 16
     assert c["vocabpar-sharded"].embedding_bytes == 7 * 13 * 3584 * 2  # (n-1)·ceil(T/n)·H·b
     assert c["deepinfer-replicated"].head_flops == 2 * 8 * 152064 * 3584  # own 8 rows, full vocab
     assert c["deepinfer-replicated"].step_bytes == 0

@@ -1,6 +1,12 @@
 """vocabpar: the vocabulary dimension of LLM inference split across ranks."""
 
+from vocabpar.collect import ShardedLogits, broadcast_tokens, compute_logits, iter_logits
+from vocabpar.embedding import VocabParallelEmbedding
+from vocabpar.head import ParallelLMHead, reference_logits, select_rows
 from vocabpar.layout import Shard, VocabLayout
+from vocabpar.sampling import SampleOutput, SamplingParams, reference_sample, sample
 
-__all__ = ["Shard", "VocabLayout"]
+__all__ = ["ParallelLMHead", "Shard", "ShardedLogits", "VocabLayout", "VocabParallelEmbedding",
+           "broadcast_tokens", "compute_logits", "iter_logits", "reference_logits", "select_rows",
+           "SampleOutput", "SamplingParams", "reference_sample", "sample"]
 __version__ = "0.1.0"

@@ -90,6 +90,63 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bytes(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.0f}" if x == int(x) else f"{x:,.1f}"
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Exit status 1 when any design's tokens differ from the reference; byte differences from
+    the planner are reported, not fatal."""
+    from vocabpar import comm
+    from vocabpar.demo import run_demo
+
+    result = run_demo(args.model, args.ranks, args.batch, args.tokens, progress=not args.quiet)
+    status = 0 if result.tokens_agree else 1
+    if comm.rank() != 0:  # under torchrun, rank 0 reports
+        return status
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+        return status
+    print(f"\n{result.model}: vocab {result.vocab} x hidden {result.hidden} "
+          f"({'tied' if result.tied else 'untied'}), {result.ranks} ranks, batch {result.batch}, "
+          f"{result.tokens} new tokens; single-process reference "
+          f"{result.reference_ms_per_step:.1f} ms/step\n")
+    rows = [(r.design, r.mode, f"{r.equal}/{r.rows}", _bytes(r.measured), _bytes(r.predicted),
+             "-" if r.bytes_agree is None else "yes" if r.bytes_agree
+             else f"{r.measured - r.predicted:+,.0f}",
+             _bytes(r.id_bytes), f"{r.ms_per_step:.1f}", f"{r.peak_rss_mib:.0f}", f"{r.weights_mib:.2f}")
+            for r in result.rows]
+    print(format_table(("design", "mode", "tokens equal", "recv B/step", "planner B/step", "= planner",
+                        "ids B/step", "ms/step", "peak RSS MiB", "vocab MiB/rank"), rows))
+    print("\ntokens equal: rows matching transformers' generate (greedy) or reference_sample with the same "
+          "seeds\n(sampled). recv: bytes the busiest rank received per decode step (vocabpar.comm counters),"
+          "\nthe exchange of sampled ids shown apart (the planner leaves it out). planner: its formulas for "
+          "the\nsame shapes and ownership counts ('-': sharded sampling beyond greedy has no formula).")
+    print(f"\ntokens: {'every design agrees' if result.tokens_agree else 'SOME DESIGNS DIFFER'}; bytes: "
+          f"{'all equal to the planner' if result.bytes_agree else 'some rows differ from the planner'}")
+    return status
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import pathlib
+    import subprocess
+
+    scripts = sorted(pathlib.Path(args.dir).glob("bench_*.py"))
+    if args.only:
+        scripts = [p for p in scripts if p.stem in (args.only, f"bench_{args.only}")]
+    if not scripts:
+        raise ValueError(f"no benchmark scripts bench_*.py{' named ' + args.only if args.only else ''} "
+                         f"in {args.dir!r}")
+    failed = []
+    for script in scripts:
+        print(f"\n== {script} ==", flush=True)
+        if subprocess.run([sys.executable, str(script)]).returncode:
+            failed.append(script.name)
+    if failed:
+        print(f"\nfailed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vocabpar", description="Vocabulary-parallel embedding, LM head, logits and sampling.")
@@ -123,6 +180,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print plain data in base units")
     p.add_argument("--plot", metavar="FILE.png", help="write bytes-vs-batch and memory-vs-ranks plots")
     p.set_defaults(func=cmd_plan)
+    p = sub.add_parser("demo", help="generate with a Hugging Face model through every design on local ranks")
+    p.add_argument("--model", default="gpt2", choices=("gpt2", "llama", "qwen2"),
+                   help="embedded seeded model (no downloads)")
+    p.add_argument("--ranks", type=_positive, default=4)
+    p.add_argument("--batch", type=_positive, default=4, help="prompts per batch")
+    p.add_argument("--tokens", type=_positive, default=8, help="new tokens per prompt (>= 2)")
+    p.add_argument("--json", action="store_true", help="print the table as data")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("bench", help="run the benchmark scripts (bench_*.py) and print their tables")
+    p.add_argument("--dir", default="benchmarks", help="folder holding bench_*.py (default: ./benchmarks)")
+    p.add_argument("--only", help="run one script, e.g. 'embedding' or 'bench_embedding'")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

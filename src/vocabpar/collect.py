@@ -196,14 +196,17 @@ def compute_logits(head: ParallelLMHead, hidden: torch.Tensor, *, strategy: str,
     * ``dp_gather_scatter``: each rank passes its own rows and gets exactly those back
       (``scatter``: ``all_to_all`` or SGLang's ``all_gather``);
     * ``none``: :class:`ShardedLogits`, this rank's ``[B, rows]`` shard for the sampler."""
+    group = head.group if group is None else group
+    own = hidden.shape[0] // comm.world_size(group) if strategy == "all_to_all" else hidden.shape[0]
     out = None
     for rows, logits in iter_logits(head, hidden, strategy=strategy, group=group, max_rows=max_rows,
                                     dst=dst, scatter=scatter):
         if logits is None:
             continue
+        if out is None and rows.stop - rows.start == own:  # one chunk holds everything: no copy
+            out = logits
+            continue
         if out is None:
-            own = hidden.shape[0] // comm.world_size(head.group if group is None else group) \
-                if strategy == "all_to_all" else hidden.shape[0]
             out = logits.new_empty((own, logits.shape[1]))
         out[rows] = logits
     if strategy == "none":

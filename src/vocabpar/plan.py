@@ -24,7 +24,7 @@ KiB, MiB, GiB = 2**10, 2**20, 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 COLLECTIONS = ("all_gather", "gather", "dp_gather_scatter", "all_to_all", "none", "replicated")
 EMBEDDING_EXCHANGES = ("all_reduce", "owner_gather", "local")
-GREEDY_PAIR_BYTES = 4 + 8  # fp32 value + int64 global id per row
+GREEDY_PAIR_BYTES = 8 + 8  # float64 value (the sampler ranks in float64) + int64 global id per row
 
 
 def dtype_bytes(name: str) -> int:
@@ -84,9 +84,11 @@ def embedding_exchange_bytes(mode: str, tokens: int, hidden: int, ranks: int, dt
 
 
 def hidden_gather_bytes(batch: int, dp: int, hidden: int, dtype_bytes: int) -> int:
-    """DP attention feeding a sharded head: all-gather of each DP group's ``ceil(B/dp)`` hidden
-    rows, ``(dp-1)·ceil(B/dp)·H·b``; zero when attention is tensor-parallel (``dp=1``)."""
-    return (dp - 1) * -(-batch // dp) * hidden * dtype_bytes
+    """DP attention feeding a sharded head: an all-gather of the row counts (one int64 per DP
+    rank, so ranks may bring different numbers of rows), then of each DP group's
+    ``ceil(B/dp)`` hidden rows: ``(dp-1)·(8 + ceil(B/dp)·H·b)``; zero when attention is
+    tensor-parallel (``dp=1``)."""
+    return (dp - 1) * (8 + -(-batch // dp) * hidden * dtype_bytes)
 
 
 def logits_collection_bytes(strategy: str, batch: int, vocab: int, ranks: int, dtype_bytes: int,
@@ -129,8 +131,8 @@ def logits_buffer_bytes(strategy: str, batch: int, vocab: int, ranks: int, dtype
 
 
 def greedy_sampling_bytes(batch: int, ranks: int) -> int:
-    """Greedy on sharded logits: all-gather of one (fp32 value, int64 id) pair per row,
-    ``(n-1)·B·12`` received per rank -- independent of the vocabulary."""
+    """Greedy on sharded logits: all-gather of one (float64 value, int64 id) pair per row,
+    ``(n-1)·B·16`` received per rank -- independent of the vocabulary."""
     return (ranks - 1) * batch * GREEDY_PAIR_BYTES
 
 
@@ -412,7 +414,7 @@ def study_figures() -> list[StudyFigure]:
         F("  at 300 GB/s", transfer_time(gathered, s.bandwidth), "µs", 0, "193 µs"),
         F("greedy pairs, study's B·2·n·4", s.batch * 2 * n * 4, "KB", 0, "16 KB",
           "the whole gathered fp32 (value, id) buffer, own pairs included"),
-        F("greedy received per rank, (n-1)·B·(4+8)", greedy_sampling_bytes(s.batch, n), "KB", 1, None,
+        F("greedy received per rank, (n-1)·B·(8+8)", greedy_sampling_bytes(s.batch, n), "KB", 1, None,
           "vocabpar's exact count: int64 ids, comm's all-gather model"),
         F("replication, extra per rank", extra, "GiB", 2, "2.16 GiB"),
         F("replication, extra over 8 ranks", (n - 1) * 2 * full, "GiB", 1, "17.3 GiB"),

@@ -1,0 +1,112 @@
+"""Distributed sampling vs gather-then-sample on 4 local gloo ranks (B=256, V=129280, FP32).
+
+Run: ``.venv/bin/python benchmarks/bench_sampling.py [--iters N]``. For each configuration both
+paths run in the same processes on the same logits; times are the slowest rank's mean per step,
+bytes are what one rank sends per step (comm counters), and ``x floor`` divides by the floor:
+one local pass over the shard (row max) plus one small all-gather.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from vocabpar import SamplingParams, VocabLayout, comm, sample
+from vocabpar.launch import run
+
+B, V, N = 256, 129280, 4
+
+CONFIGS = {
+    "greedy": ("llm", SamplingParams(temperature=0)),
+    "t0.8 k50 p0.95 minp0.05": ("llm", SamplingParams(temperature=0.8, top_k=50, top_p=0.95, min_p=0.05)),
+    "top-p 0.9 (peaked)": ("llm", SamplingParams(top_p=0.9)),
+    "top-p 0.9 (flat)": ("flat", SamplingParams(top_p=0.9)),
+}
+
+
+def _logits(kind: str, rows: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(comm.rank() + 1)
+    scale = 5.0 if kind == "llm" else 0.5  # sigma 5: top-p 0.9 keeps ~94 tokens (median)
+    return torch.randn(B, rows, generator=g) * scale
+
+
+def _gather_then_sample(local: torch.Tensor, layout: VocabLayout,
+                        params: SamplingParams) -> torch.Tensor:
+    full = comm.all_gather(local).permute(1, 0, 2).reshape(B, -1)[:, layout.sharded_to_full()[:V]]
+    if params.temperature == 0:
+        return full.argmax(1)
+    logits = full / params.temperature
+    values, order = logits.sort(1, descending=True)
+    if params.top_k:
+        values[:, params.top_k:] = float("-inf")
+    probs = values.softmax(1)
+    if params.top_p < 1:
+        drop = probs.cumsum(1) - probs > params.top_p
+        values = values.masked_fill(drop, float("-inf"))
+    if params.min_p:
+        cut = values[:, :1] + torch.log(torch.tensor(params.min_p))
+        values = values.masked_fill(values < cut, float("-inf"))
+    picked = torch.multinomial(values.softmax(1), 1)
+    return order.gather(1, picked)[:, 0]
+
+
+def _floor(local: torch.Tensor) -> torch.Tensor:
+    pairs = torch.stack([local.max(1).values.double().view(torch.long), torch.zeros(B).long()], 1)
+    return comm.all_gather(pairs)
+
+
+def _time(fn, iters: int) -> tuple[float, int]:
+    fn()  # warm-up
+    comm.reset_traffic()
+    fn()
+    sent = comm.total_bytes()[0]
+    total = 0.0
+    for _ in range(iters):
+        comm.all_reduce(torch.zeros(1))  # barrier
+        start = time.perf_counter()
+        fn()
+        total += time.perf_counter() - start
+    return total / iters, sent
+
+
+def _bench(iters: int) -> dict:
+    layout = VocabLayout(V, N)
+    rows = layout.shard(comm.rank()).rows
+    pos = torch.arange(B)
+    out = {}
+    for name, (kind, params) in CONFIGS.items():
+        local = _logits(kind, rows)
+        p = SamplingParams(**{**params.__dict__, "seed": list(range(B))})
+        out[name] = {
+            "floor": _time(lambda local=local: _floor(local), iters),
+            "sharded": _time(lambda local=local, p=p: sample(local, layout, p, positions=pos), iters),
+            "gather": _time(lambda local=local, q=params: _gather_then_sample(local, layout, q), iters),
+        }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=3)
+    args = ap.parse_args()
+    per_rank = run(_bench, N, args.iters, run_timeout=1800, timeout=300)
+    print(f"B={B} V={V} ranks={N} gloo, FP32; time = slowest rank, mean of {args.iters} steps; "
+          "bytes = sent per rank per step")
+    head = f"{'config':<26}{'sharded ms':>11}{'gather ms':>11}{'speed-up':>9}{'sharded B':>11}" \
+           f"{'gather B':>12}{'bytes x':>9}{'sh/floor':>9}{'ga/floor':>9}"
+    print(head)
+    for name in CONFIGS:
+        t = {k: max(r[name][k][0] for r in per_rank) for k in ("floor", "sharded", "gather")}
+        b = {k: per_rank[0][name][k][1] for k in ("sharded", "gather")}
+        print(f"{name:<26}{t['sharded'] * 1e3:>11.1f}{t['gather'] * 1e3:>11.1f}"
+              f"{t['gather'] / t['sharded']:>8.1f}x"
+              f"{b['sharded']:>11,}{b['gather']:>12,}{b['gather'] / max(b['sharded'], 1):>8.0f}x"
+              f"{t['sharded'] / t['floor']:>8.1f}x{t['gather'] / t['floor']:>8.1f}x")
+    floor = max(r["greedy"]["floor"][0] for r in per_rank)
+    print(f"floor (row max + all-gather of 16 B/row): {floor * 1e3:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

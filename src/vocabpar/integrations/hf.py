@@ -1,0 +1,259 @@
+"""Hugging Face causal LMs with a vocab-parallel embedding and LM head, and their decode loop.
+
+:func:`parallelize` swaps a ``transformers`` causal LM's input embedding and LM head for a
+:class:`VocabParallelEmbedding` and a :class:`ParallelLMHead` over a process group; each rank
+keeps only its rows of the model's own matrices, and a tied head stays tied (it views the
+embedding's storage). The transformer body is left untouched and runs replicated on every rank,
+so every rank must hold the same model and be given the same prompts and parameters.
+
+The decode loop left-pads the prompts into one batch, with the attention mask and position ids
+``transformers``' ``generate`` builds, and per step runs: vocab-parallel lookup -> body with KV
+cache (``inputs_embeds``) -> last row of every sequence -> logits step -> collection strategy and
+the single-device sampler on full logits, or (``collect="none"``) the distributed sampler on the
+sharded logits. Every rank returns the same tokens. :func:`reference_generate` runs the same loop
+on the unmodified model (its own embedding and ``lm_head``): the single-device oracle.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import nn
+
+from vocabpar import comm
+from vocabpar.collect import broadcast_tokens, compute_logits
+from vocabpar.embedding import VocabParallelEmbedding
+from vocabpar.head import ParallelLMHead, select_rows
+from vocabpar.layout import VocabLayout
+from vocabpar.sampling import SamplingParams, TokenCounts, reference_sample, sample
+
+COLLECT = ("all_gather", "gather", "all_to_all", "dp_gather_scatter", "replicated", "none")
+GREEDY = SamplingParams(temperature=0.0)
+
+NextTokens = Callable[[torch.Tensor, SamplingParams, torch.Tensor, TokenCounts | None], torch.Tensor]
+
+
+@dataclass
+class Generation:
+    """What a decode loop returns (the same on every rank): ``tokens[b]``, the new ids of prompt
+    b; per step (step 0 is the prefill) ``inputs`` (the ids fed to the embedding, ``[B, T]``),
+    the wall time, and the bytes this rank received by collective kind (the exchange of sampled
+    ids is booked as ``"sampled_ids"``; the handshake is left out)."""
+
+    tokens: list[list[int]]
+    inputs: list[torch.Tensor]
+    step_seconds: list[float]
+    step_received: list[dict[str, int]]
+
+
+@dataclass
+class ParallelCausalLM:
+    """A causal LM whose embedding and head are vocab-parallel over ``group`` (see
+    :func:`parallelize`); ``collect`` names how logits reach the sampler."""
+
+    model: nn.Module
+    embedding: VocabParallelEmbedding
+    head: ParallelLMHead
+    collect: str
+    group: comm.ProcessGroup = None
+    scatter: str = "all_to_all"
+
+    @property
+    def layout(self) -> VocabLayout:
+        return self.embedding.layout
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None,
+                 max_new_tokens: int = 16) -> Generation:
+        """``max_new_tokens`` new tokens for every prompt (no stop tokens); ``params`` ``None``
+        is greedy. Sampling is keyed on (seed, position, token id), so the tokens do not depend
+        on the number of ranks, the strategy or the batch."""
+        return _decode(self.model, self.embedding, self.layout.vocab_size, self._next_tokens, prompts, params,
+                       max_new_tokens)
+
+    def _next_tokens(self, hidden: torch.Tensor, params: SamplingParams, positions: torch.Tensor,
+                     counts: TokenCounts | None) -> torch.Tensor:
+        B, n, me = hidden.shape[0], comm.world_size(self.group), comm.rank(self.group)
+        if self.collect == "none":
+            sharded = compute_logits(self.head, hidden, strategy="none", group=self.group)
+            return sample(sharded.logits, self.layout, params, positions=positions, group=self.group,
+                          token_counts=counts).tokens
+        if self.collect in ("all_gather", "replicated"):
+            full = compute_logits(self.head, hidden, strategy=self.collect, group=self.group)
+            return _sample_rows(full, params, positions, counts, slice(0, B))
+        if self.collect == "gather":
+            full = compute_logits(self.head, hidden, strategy="gather", group=self.group, dst=0)
+            mine = None if full is None else _sample_rows(full, params, positions, counts, slice(0, B))
+            with comm.booked_as("sampled_ids"):
+                return broadcast_tokens(mine, B, src=0, group=self.group)
+        # all_to_all / dp_gather_scatter: rank r gets full-vocab rows of its own contiguous block,
+        # samples them, and the blocks' ids are shared
+        if self.collect == "all_to_all":  # equal blocks of ceil(B/n) rows; zero rows fill the tail
+            per = -(-B // n)
+            sizes = [max(0, min(per, B - r * per)) for r in range(n)]
+            padded = hidden.new_zeros(per * n, hidden.shape[1])
+            padded[:B] = hidden
+            full = compute_logits(self.head, padded, strategy="all_to_all", group=self.group)
+        else:  # DP attention: rank r brings its own rows (balanced split)
+            sizes = [B // n + (r < B % n) for r in range(n)]
+            start = sum(sizes[:me])
+            full = compute_logits(self.head, hidden[start: start + sizes[me]], strategy="dp_gather_scatter",
+                                  group=self.group, scatter=self.scatter)
+        start = sum(sizes[:me])
+        mine = _sample_rows(full[: sizes[me]], params, positions, counts, slice(start, start + sizes[me]))
+        with comm.booked_as("sampled_ids"):
+            return torch.cat(comm.all_gather_uneven(mine, sizes, self.group))
+
+
+def parallelize(model: nn.Module, *, group: comm.ProcessGroup = None, scheme: str = "padded",
+                collect: str = "all_gather", exchange: str = "auto", scatter: str = "all_to_all",
+                deterministic: bool = False) -> ParallelCausalLM:
+    """Replace ``model``'s input embedding and LM head (in place) by vocab-parallel modules over
+    ``group`` laid out by ``scheme``, loading this rank's rows from the model's own weights.
+
+    ``collect``: one of :data:`COLLECT` (``replicated`` needs ``scheme="replicated"``; ``none``
+    samples on sharded logits). ``exchange``: the embedding exchange. ``scatter``: how
+    ``dp_gather_scatter`` returns rows (``all_to_all``, or SGLang's ``all_gather``; each rank
+    then stands for one DP attention group holding a contiguous block of the batch).
+    ``deterministic``: logits whose bits do not depend on the number of ranks (see
+    :class:`ParallelLMHead`)."""
+    if collect not in COLLECT:
+        raise ValueError(f"unknown collect {collect!r}; expected one of {COLLECT}")
+    if (collect == "replicated") != (scheme == "replicated"):
+        raise ValueError(f"collect='replicated' goes with scheme='replicated' and only with it "
+                         f"(got collect={collect!r}, scheme={scheme!r})")
+    for key in ("final_logit_softcapping", "logit_scale"):
+        if getattr(model.config, key, None) not in (None, 1.0):
+            raise ValueError(f"models with {key} are not supported")
+    source, target = model.get_input_embeddings(), model.get_output_embeddings()
+    if not isinstance(source, nn.Embedding) or not isinstance(target, nn.Linear):
+        raise TypeError(f"expected an nn.Embedding input embedding and an nn.Linear LM head, got "
+                        f"{type(source).__name__} and {type(target).__name__}")
+    weight = source.weight.detach()
+    if tuple(target.weight.shape) != tuple(weight.shape):
+        raise ValueError(f"LM head {tuple(target.weight.shape)} and embedding {tuple(weight.shape)} "
+                         f"differ in shape")
+    vocab, hidden = weight.shape
+    layout = VocabLayout(vocab, comm.world_size(group), scheme=scheme)
+    embedding = VocabParallelEmbedding(layout, hidden, group=group, dtype=weight.dtype, exchange=exchange,
+                                       device=weight.device)
+    embedding.load_full_weight(weight)
+    tied = target.weight is source.weight
+    head = ParallelLMHead(layout, hidden, group=group, dtype=weight.dtype, tie_to=embedding if tied else None,
+                          bias=target.bias is not None, deterministic=deterministic, device=weight.device)
+    if not tied:
+        head.load_full_weight(target.weight.detach())
+    if target.bias is not None:
+        head.load_full_bias(target.bias.detach())
+    model.set_input_embeddings(embedding)
+    model.set_output_embeddings(head)
+    return ParallelCausalLM(model.eval(), embedding, head, collect, group, scatter)
+
+
+def reference_generate(model: nn.Module, prompts: Sequence[Sequence[int]],
+                       params: SamplingParams | None = None, max_new_tokens: int = 16) -> Generation:
+    """The single-device oracle: the same loop on the unmodified model, sampling its own
+    ``lm_head`` logits (FP32) with :func:`reference_sample`."""
+    lm_head = model.get_output_embeddings()
+
+    def next_tokens(hidden, params, positions, counts):
+        return _sample_rows(lm_head(hidden).float(), params, positions, counts, slice(0, hidden.shape[0]))
+
+    return _decode(model.eval(), model.get_input_embeddings(), lm_head.weight.shape[0], next_tokens, prompts,
+                   params, max_new_tokens)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, attention_mask)``, both int64 ``[B, longest]``, prompts right-aligned."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token id lists")
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, longest - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[b, longest - len(p):] = 1
+    return ids, mask
+
+
+def pad_id(config: object) -> int:
+    """The id placed in left padding (masked out, so its value never reaches a real position)."""
+    for key in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        value = getattr(config, key, None)
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0
+
+
+# ---------------------------------------------------------------------- the loop
+@torch.inference_mode()
+def _decode(model: nn.Module, embed: nn.Module, vocab: int, next_tokens: NextTokens,
+            prompts: Sequence[Sequence[int]], params: SamplingParams | None,
+            max_new_tokens: int) -> Generation:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    params = GREEDY if params is None else params
+    ids, mask = left_pad(prompts, pad_id(model.config))
+    device = next(model.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
+    position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as transformers' generate
+    positions = torch.tensor([len(p) for p in prompts], device=device)  # of the token being sampled
+    B = len(prompts)
+    history: list[list[int]] = [[] for _ in range(B)]
+    penalised = _uses_history(params, B, vocab)
+    out = Generation([[] for _ in range(B)], [], [], [])
+    body = model.base_model
+    # the KV cache argument is ``cache`` in recent transformers, ``past_key_values`` before
+    cache_key = "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
+    cache, inputs = None, ids
+    for _ in range(max_new_tokens):
+        before, start = comm.traffic(), time.perf_counter()
+        result = body(inputs_embeds=embed(inputs), attention_mask=mask, position_ids=position_ids,
+                      use_cache=True, **{cache_key: cache})
+        cache, states = getattr(result, cache_key), result.last_hidden_state
+        last = select_rows(states.reshape(-1, states.shape[-1]),
+                           seq_lens=torch.full((B,), states.shape[1], device=device))
+        counts = TokenCounts.from_history(history) if penalised else None
+        tokens = next_tokens(last, params, positions, counts)
+        out.step_seconds.append(time.perf_counter() - start)
+        out.step_received.append(_received_since(before))
+        out.inputs.append(inputs.cpu())
+        for b, t in enumerate(tokens.tolist()):
+            out.tokens[b].append(t)
+            history[b].append(t)
+        inputs = tokens.view(B, 1).to(device)
+        mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+        position_ids = position_ids[:, -1:] + 1
+        positions = positions + 1
+    return out
+
+
+def _sample_rows(full: torch.Tensor, params: SamplingParams, positions: torch.Tensor,
+                 counts: TokenCounts | None, rows: slice) -> torch.Tensor:
+    """Reference-sample the logits ``full`` of batch rows ``rows`` (per-row values sliced)."""
+    if full.shape[0] == 0:
+        return torch.empty(0, dtype=torch.long, device=full.device)
+    sliced = {f.name: torch.as_tensor(getattr(params, f.name))[rows] for f in fields(params)
+              if f.name != "logprobs" and torch.as_tensor(getattr(params, f.name)).dim() == 1}
+    part = None if counts is None else TokenCounts(counts.ids[rows], counts.counts[rows])
+    return reference_sample(full, replace(params, **sliced), positions=positions[rows],
+                            token_counts=part).tokens
+
+
+def _uses_history(params: SamplingParams, batch: int, vocab: int) -> bool:
+    r = params.resolve(batch, vocab)
+    return bool((r.repetition_penalty != 1).any() or (r.presence_penalty != 0).any()
+                or (r.frequency_penalty != 0).any())
+
+
+def _received_since(before: dict[str, comm.Counter]) -> dict[str, int]:
+    def prior(kind: str) -> int:
+        return before[kind].received if kind in before else 0
+
+    return {kind: c.received - prior(kind) for kind, c in comm.traffic().items()
+            if kind != "handshake" and c.received != prior(kind)}

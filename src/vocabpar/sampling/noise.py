@@ -1,0 +1,66 @@
+"""Counter-based Gumbel noise: G(seed, position, token id), independent of everything else.
+
+The hash is pure integer arithmetic on 32-bit values held in int64 tensors (every product stays
+below 2**49, so nothing relies on signed-overflow behaviour), hence bit-identical on every
+platform and for any tensor shape. The only floating-point step is ``-log(-log(u))`` in float64;
+it is elementwise, so the noise of a token never depends on the batch row, the batch composition
+or the number of ranks. (Bit-identity of the sampled token across world sizes additionally
+assumes ``torch.log`` returns the same float64 for the same input wherever the element sits in a
+tensor, which holds for the ATen CPU kernels; it is tested in ``tests/test_sampling.py``.)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for ``0 <= x < 2**32`` without any int64 overflow."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & M32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser: a bijection with full avalanche."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def row_keys(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """Two 32-bit keys per row, int64 ``[..., 2]``, from non-negative int64 seeds and positions."""
+    parts = (seed & M32, seed >> 32, position & M32, position >> 32)
+    keys = []
+    for start in (0x9E3779B9, 0x7F4A7C15):
+        k = torch.full_like(seed, start)
+        for p in parts:
+            k = _fmix32(k ^ p)
+        keys.append(k)
+    return torch.stack(keys, -1)
+
+
+def gumbel_bucket(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The top 16 bits of the ``u`` behind :func:`gumbel` (one hash instead of two)."""
+    return _fmix32(ids ^ keys[..., 0]) >> 16
+
+
+@functools.cache
+def gumbel_bound() -> torch.Tensor:
+    """``bound[h]`` > every Gumbel value whose ``u`` has top 16 bits ``h`` (float64, with a margin
+    far above rounding error; +inf for the last bucket)."""
+    upper = (torch.arange(1, 2**16 + 1, dtype=torch.float64) * 2.0 ** -16).clamp(max=1.0)
+    return -torch.log(-torch.log(upper)) + 1e-6
+
+
+def gumbel(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise (float64) for token ``ids`` under row ``keys`` (``[..., 2]``,
+    broadcast against ``ids``): 52 hashed bits give ``u = (2m + 1) / 2**53`` in (0, 1)."""
+    hi = _fmix32(ids ^ keys[..., 0]) >> 12
+    lo = _fmix32(ids ^ keys[..., 1])
+    u = ((hi << 32) + lo) * 2 + 1
+    return -torch.log(-torch.log(u.double() * 2.0 ** -53))

@@ -1,0 +1,149 @@
+"""The steps both samplers share, so that the reference and the sharded path cannot drift apart.
+
+Conventions: ``x`` are processed float32 logits (penalties and bitmask applied, padding -inf);
+``z = x.double() / temperature``. For temperatures in
+``[GREEDY_BELOW, MAX_TEMPERATURE]`` the division is strictly monotone and maps equal values to
+equal values, so thresholds on ``x`` and on ``z`` select the same tokens.
+
+Top-p masses are exact integers: token weight ``q = floor(exp(z - zmax) * 2**s)`` with
+``s = 62 - bit_length(vocab_size)``, so any sum over the vocabulary fits in int64 and no result
+depends on summation order (each rank sums its part, an integer all-reduce merges them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vocabpar.sampling.noise import gumbel, row_keys
+from vocabpar.sampling.params import Rows, TokenCounts
+
+NEG_INF = float("-inf")
+PAD_KEY = -(2**31)  # below the key of -inf: padding sorts after every real token
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    """``tokens`` (int64 ``[B]``), identical on every rank. With ``logprobs=n``: the chosen
+    token's log-probability (float32 ``[B]``) and the top-n ids / logprobs (``[B, n]``, sorted by
+    value, ties by id), all from the log-softmax of the raw logits."""
+
+    tokens: torch.Tensor
+    logprob: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
+# ---------------------------------------------------------------------- logits processing
+def penalise(x: torch.Tensor, cols: torch.Tensor, owned: torch.Tensor, counts: torch.Tensor,
+             rows: Rows) -> torch.Tensor:
+    """Apply repetition (HF/vLLM: divide positive, multiply negative logits of seen tokens),
+    then frequency and presence penalties, to ``x[b, cols[b, k]]`` where ``owned[b, k]``."""
+    b, k = owned.nonzero(as_tuple=True)
+    cols, counts = cols[b, k], counts[b, k]
+    v = x[b, cols]
+    seen = counts > 0
+    rep = rows.repetition_penalty[b]
+    v = torch.where(seen, torch.where(v > 0, v / rep, v * rep), v)
+    v = v - rows.frequency_penalty[b] * counts.float() - rows.presence_penalty[b] * seen.float()
+    x = x.clone()
+    x[b, cols] = v
+    return x
+
+
+def allowed(bitmask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Bool ``[B, len(ids)]``: bit ``id & 31`` of word ``id >> 5`` (xgrammar format); padding
+    ids (-1) are never allowed."""
+    safe = ids.clamp(min=0)
+    words = bitmask[:, safe >> 5]
+    return ((words >> (safe & 31)) & 1).bool() & (ids >= 0)
+
+
+def processed_logits(raw: torch.Tensor, ids: torch.Tensor, rows: Rows,
+                     penalty_cols: tuple[torch.Tensor, torch.Tensor, TokenCounts] | None,
+                     bitmask: torch.Tensor | None) -> torch.Tensor:
+    """``x``: padding -> -inf, penalties, bitmask (disallowed -> -inf). Returns ``raw`` itself
+    when there is nothing to change (no padding, penalties or mask)."""
+    x = raw if bool((ids >= 0).all()) else torch.where(ids >= 0, raw, NEG_INF)
+    if penalty_cols is not None:
+        cols, owned, counts = penalty_cols
+        x = penalise(x, cols, owned & (counts.ids >= 0), counts.counts, rows)
+    if bitmask is not None:
+        x = torch.where(allowed(bitmask, ids), x, NEG_INF)
+    return x
+
+
+def check_rows(nan_rows: torch.Tensor, empty_rows: torch.Tensor) -> None:
+    """Raise the ``ValueError`` every rank raises for NaN rows / rows with nothing allowed."""
+    problems = []
+    for what, bad in (("contain NaN logits", nan_rows), ("have no allowed token (all -inf)", empty_rows)):
+        idx = bad.nonzero().flatten().tolist()
+        if idx:
+            problems.append(f"rows {idx} {what}")
+    if problems:
+        raise ValueError("cannot sample: " + "; ".join(problems))
+
+
+# ---------------------------------------------------------------------- order keys
+def order_key(x: torch.Tensor) -> torch.Tensor:
+    """int64 key in [-2**31, 2**31) whose order is the float order of ``x`` (no NaN; -0.0 is
+    folded into +0.0)."""
+    b = (x + 0.0).view(torch.int32)
+    return torch.where(b < 0, b ^ 0x7FFFFFFF, b).long()
+
+
+def key_value(key: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`order_key`: the float32 value of each key."""
+    b = key.int()
+    return torch.where(b < 0, b ^ 0x7FFFFFFF, b).view(torch.float32)
+
+
+def rank_key(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Unique int64 key ordering tokens by value descending, then id ascending (padding last):
+    ``order_key * 2**32 + (2**32 - 1 - id)``."""
+    key = torch.where(ids >= 0, order_key(x), PAD_KEY)
+    return key * 2**32 + (2**32 - 1 - ids.clamp(min=0))
+
+
+# ---------------------------------------------------------------------- thresholds and masses
+def mass_shift(vocab_size: int) -> int:
+    return 62 - vocab_size.bit_length()
+
+
+def mass(z: torch.Tensor, zmax: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exact fixed-point weight (int64) of each token: ``floor(exp(z - zmax) * 2**s)``."""
+    return torch.floor(torch.exp(z - zmax) * 2.0 ** mass_shift(vocab_size)).long()
+
+
+def top_p_target(total: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Integer mass the kept prefix must reach: ``ceil(top_p * total)`` clamped to [1, total]."""
+    t = torch.ceil(total.double() * top_p).long()
+    return torch.minimum(t.clamp(min=1), total)
+
+
+def min_p_threshold(zmax: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """``z >= zmax + ln(min_p)`` is the min-p rule ``p >= min_p * p_max`` (-inf when off)."""
+    return zmax + torch.log(min_p)
+
+
+def gumbel_argmax(row: torch.Tensor, ids: torch.Tensor, z: torch.Tensor, rows: Rows,
+                  positions: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, max of ``z + G`` over the listed (row, id, z) entries and the lowest id reaching
+    it: float64 ``[batch]`` (-inf if none) and int64 ``[batch]`` (-1 if none)."""
+    keys = row_keys(rows.seed, positions)[row]
+    score = z + gumbel(keys, ids)
+    best = torch.full((batch,), NEG_INF, dtype=torch.float64).scatter_reduce(0, row, score, "amax")
+    hit = score == best[row]
+    big = torch.iinfo(torch.long).max
+    arg = torch.full((batch,), big).scatter_reduce(0, row[hit], ids[hit], "amin")
+    return best, torch.where(arg == big, -1, arg)
+
+
+def merge_argmax(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge per-rank ``[n, B]`` (value, id) maxima: max value, ties -> lowest id (ids < 0 lose)."""
+    best = values.max(0).values
+    big = torch.iinfo(torch.long).max
+    cand = torch.where((values == best) & (ids >= 0), ids, big)
+    arg = cand.min(0).values
+    return best, torch.where(arg == big, -1, arg)

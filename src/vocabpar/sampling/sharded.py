@@ -1,0 +1,345 @@
+"""Sampling on vocab-sharded logits: the reference semantics, exactly, without ``[B, V]`` anywhere.
+
+Each rank holds ``[B, rows]`` FP32 logits (its shard, padding columns ignored). Collectives, in
+order, only when some row needs them (all ranks take the same branches: every decision is a
+function of replicated parameters and of gathered data):
+
+1. one all-gather: per row, the shard's (max, lowest id) with NaN folded into the max, then, if
+   any row samples, the shard's top-c candidates (value desc, id asc), then, for logprobs, the
+   raw (max, sum-exp) and top-n raw candidates. Greedy is this one collective (16 B per row).
+2. top-k with k > c: a radix select over the int32 order keys, 4 bits per round (8 rounds, each
+   an all-reduce of 16 counts per row). With k <= c the merged candidates are exact.
+3. top-p: the integer mass of the top-k set (from the candidates when they hold it, else one
+   all-reduce), then the candidates give the threshold if their cumulative mass reaches the
+   target above ``L`` (the highest value any rank did not send); otherwise a radix select on
+   masses (8 rounds of 16 int64 sums per row).
+4. Gumbel-max: if every kept token is among the candidates, each rank computes it locally;
+   otherwise each rank scores its kept tokens and one all-gather of (score, id) merges them.
+5. logprobs: one all-reduce (max) fetching the chosen tokens' raw logits from their owners.
+
+Worst case: 1 + 8 + 1 + 8 + 1 + 1 = 20 collectives per step, each carrying at most
+``16 * 8`` bytes per row beyond the candidates of round 1 (``c <= 256`` values per row).
+All masses are exact integers, so the tokens equal :func:`reference_sample`'s bit for bit;
+see :mod:`vocabpar.sampling.semantics` and :mod:`vocabpar.sampling.noise` for the float steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vocabpar import comm
+from vocabpar.layout import VocabLayout
+from vocabpar.sampling.noise import gumbel_bound, gumbel_bucket, row_keys
+from vocabpar.sampling.params import Rows, SamplingParams, TokenCounts, check_bitmask, check_positions
+from vocabpar.sampling.semantics import (
+    NEG_INF,
+    PAD_KEY,
+    SampleOutput,
+    check_rows,
+    gumbel_argmax,
+    key_value,
+    mass,
+    merge_argmax,
+    min_p_threshold,
+    order_key,
+    processed_logits,
+    rank_key,
+    top_p_target,
+)
+
+MAX_CANDIDATES = 256  # top-k beyond this uses the radix select
+TOP_P_CANDIDATES = 64  # per rank, enough for peaked (LLM-like) rows
+MIN_P_CANDIDATES = 16
+RADIX_BITS = 4
+
+
+@dataclass(frozen=True)
+class _Ranks:
+    """This rank's view of the group; ``n == 1`` (no collective) for a replicated layout."""
+
+    group: comm.ProcessGroup
+    me: int  # rank used for layout lookups
+    n: int
+    ids: torch.Tensor  # global id of each local column, -1 = padding
+    real_counts: tuple[int, ...]  # real columns on each rank
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        return t.unsqueeze(0) if self.n == 1 else comm.all_gather(t, self.group)
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.n == 1 else comm.all_reduce(t, self.group)
+
+    def max(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.n == 1 else comm.all_reduce_max(t, self.group)
+
+
+def _ranks(layout: VocabLayout, group: comm.ProcessGroup) -> _Ranks:
+    if layout.scheme == "replicated":
+        return _Ranks(group, 0, 1, layout.local_token_ids(0), (layout.vocab_size,))
+    n = comm.world_size(group)
+    if n != layout.world_size:
+        raise ValueError(f"layout is for {layout.world_size} ranks but the group has {n}")
+    me = comm.rank(group)
+    counts = tuple(s.num_org + s.num_added for s in layout.shards)
+    return _Ranks(group, me, n, layout.local_token_ids(me), counts)
+
+
+def sample(local_logits: torch.Tensor, layout: VocabLayout, params: SamplingParams, *,
+           positions: torch.Tensor, group: comm.ProcessGroup = None, token_counts: TokenCounts | None = None,
+           bitmask: torch.Tensor | None = None) -> SampleOutput:
+    """Sample one token per row from this rank's FP32 shard ``[B, rows]``; every rank of the
+    group returns the same :class:`SampleOutput`, equal to :func:`reference_sample` on the full
+    logits. Invalid input raises ``ValueError`` on every rank before any collective; NaN rows
+    and rows with nothing allowed raise it on every rank after the first."""
+    ranks = _ranks(layout, group)
+    V = layout.vocab_size
+    if local_logits.dtype != torch.float32 or local_logits.dim() != 2 \
+            or local_logits.shape[1] != ranks.ids.numel():
+        raise ValueError(f"local logits must be float32 [B, {ranks.ids.numel()}] on rank {ranks.me}, "
+                         f"got {local_logits.dtype}{tuple(local_logits.shape)}")
+    B = local_logits.shape[0]
+    rows = params.resolve(B, V)
+    positions = check_positions(positions, B)
+    penalty = None
+    if token_counts is not None:
+        token_counts.check(B, V)
+        penalty = (*layout.local_ids(token_counts.ids, ranks.me), token_counts)
+    if bitmask is not None:
+        check_bitmask(bitmask, B, V)
+    raw, ids = local_logits, ranks.ids
+    x = processed_logits(raw, ids, rows, penalty, bitmask)
+
+    c = _candidate_count(rows, V, ranks)
+    r1 = _round_one(raw, x, ids, c, rows.logprobs, ranks)
+    best, tokens = merge_argmax(torch.where(r1.xmax.isnan(), NEG_INF, r1.xmax), r1.xmax_id)
+    nan_rows = r1.xmax.isnan().any(0)
+    check_rows(nan_rows, (best == NEG_INF) & ~nan_rows)
+    sampled = ~rows.greedy & (best < float("inf"))
+    if sampled.any():
+        tokens = _sample(x, ids, rows, positions, sampled, best, c, r1, tokens, ranks, V)
+    if rows.logprobs is None:
+        return SampleOutput(tokens)
+    return _logprobs(raw, tokens, r1, rows.logprobs, layout, ranks)
+
+
+# ---------------------------------------------------------------------- round one
+@dataclass(frozen=True)
+class _RoundOne:
+    """Gathered per-rank facts, each ``[n, B, ...]``."""
+
+    xmax: torch.Tensor  # float64, NaN where the shard's row has a NaN logit
+    xmax_id: torch.Tensor
+    cand: torch.Tensor  # float64 [n, B, c] values (float32-exact), desc
+    cand_id: torch.Tensor  # int64 [n, B, c], -1 = none
+    raw_max: torch.Tensor | None = None
+    raw_sum: torch.Tensor | None = None
+    raw_cand: torch.Tensor | None = None
+    raw_cand_id: torch.Tensor | None = None
+
+
+def _candidate_count(rows: Rows, V: int, ranks: _Ranks) -> int:
+    sampled = ~rows.greedy
+    if not sampled.any():
+        return 0
+    need = [1]
+    k = rows.top_k[sampled]
+    small_k = k[(k > 0) & (k <= MAX_CANDIDATES)]
+    if small_k.numel():
+        need.append(int(small_k.max()))
+    if (rows.top_p[sampled] < 1).any():
+        need.append(TOP_P_CANDIDATES)
+    if (rows.min_p[sampled] > 0).any():
+        need.append(MIN_P_CANDIDATES)
+    return min(max(need), max(ranks.real_counts))
+
+
+def _top(x: torch.Tensor, ids: torch.Tensor, c: int, by_id: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """This shard's ``c`` largest values with their ids, padded with (-inf, -1). Ties at the c-th
+    value are broken by lowest id only when ``by_id`` (top-n logprobs); thresholds only need the
+    values, and a padding column may stand in for a real -inf token."""
+    B, R = x.shape
+    vals = torch.full((B, c), NEG_INF, dtype=torch.float64)
+    cid = torch.full((B, c), -1, dtype=torch.long)
+    m = min(c, R)
+    if m:
+        cols = (rank_key(x, ids) if by_id else x).topk(m, 1).indices
+        vals[:, :m], cid[:, :m] = x.gather(1, cols).double(), ids[cols]
+    return vals, cid
+
+
+def _f64_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.double().contiguous().view(torch.long)
+
+
+def _round_one(raw, x, ids, c: int, n_logprobs: int | None, ranks: _Ranks) -> _RoundOne:
+    B, R = x.shape
+    real = ids >= 0
+    if R:
+        xmax, col = x.max(1)  # first maximum: storage order is id order
+        xmax_id = ids[col]
+    else:
+        xmax, xmax_id = torch.full((B,), NEG_INF), torch.full((B,), -1)
+    has_nan = xmax.isnan() if x is raw else torch.where(real, raw, 0.0).isnan().any(1)
+    parts = [_f64_bits(torch.where(has_nan, float("nan"), xmax.double()))[:, None], xmax_id[:, None]]
+    cand, cand_id = _top(x, ids, c, by_id=False)
+    parts += [_f64_bits(cand), cand_id]
+    if n_logprobs is not None:
+        r = torch.where(real, raw, NEG_INF).double()
+        rmax = r.max(1).values if R else torch.full((B,), NEG_INF, dtype=torch.float64)
+        rsum = torch.exp(r - rmax[:, None]).nan_to_num(0.0).sum(1)
+        rc, rc_id = _top(torch.where(real, raw, NEG_INF), ids, n_logprobs, by_id=True)
+        parts += [_f64_bits(rmax)[:, None], _f64_bits(rsum)[:, None], _f64_bits(rc), rc_id]
+    g = ranks.gather(torch.cat(parts, 1))
+    f64 = lambda t: t.contiguous().view(torch.float64)
+    out = dict(xmax=f64(g[..., 0]), xmax_id=g[..., 1], cand=f64(g[..., 2: 2 + c]),
+               cand_id=g[..., 2 + c: 2 + 2 * c])
+    if n_logprobs is not None:
+        o = 2 + 2 * c
+        out |= dict(raw_max=f64(g[..., o]), raw_sum=f64(g[..., o + 1]),
+                    raw_cand=f64(g[..., o + 2: o + 2 + n_logprobs]),
+                    raw_cand_id=g[..., o + 2 + n_logprobs:])
+    return _RoundOne(**out)
+
+
+# ---------------------------------------------------------------------- sampling rows
+def _sample(x, ids, rows: Rows, positions, sampled, best, c: int, r1: _RoundOne, tokens, ranks: _Ranks,
+            V: int) -> torch.Tensor:
+    B = x.shape[0]
+    real = ids >= 0
+    t = torch.where(sampled, rows.temperature, 1.0)
+    zmax = best / t
+    # merged candidates: everything a rank holds above L[b] is among them
+    n = r1.cand.shape[0]
+    cand = r1.cand.permute(1, 0, 2).reshape(B, n * c)
+    cand_id = r1.cand_id.permute(1, 0, 2).reshape(B, n * c)
+    valid = cand_id >= 0
+    unsent = torch.tensor([c < k for k in ranks.real_counts])
+    L = torch.where(unsent[:, None], r1.cand[:, :, c - 1], NEG_INF).max(0).values
+    nothing_unsent = L == NEG_INF  # unsent tokens (if any) are -inf: never kept in any way that matters
+    ckey = torch.where(valid, order_key(cand.float()), PAD_KEY)
+    ckey_sorted, corder = ckey.sort(1, descending=True)
+    cz = cand / t[:, None]
+
+    # top-k threshold kappa
+    kappa = torch.full((B,), NEG_INF)
+    k = rows.top_k
+    topk = sampled & (k > 0) & (k < V)
+    exact = topk & (k <= c)
+    if exact.any():  # a padding entry at position k means the k-th largest value is -inf
+        kth = ckey_sorted[exact, k[exact] - 1]
+        kappa[exact] = torch.where(kth == PAD_KEY, NEG_INF, key_value(kth))
+    search = (topk & ~exact).nonzero().flatten()
+    if search.numel():
+        u = torch.where(real, order_key(x[search]) + 2**31, -1)
+        kappa[search] = key_value(_radix_select(u, None, k[search], ranks) - 2**31)
+
+    # top-p threshold tau (exact integer masses within the top-k set)
+    tau = torch.full((B,), NEG_INF)
+    topp = sampled & (rows.top_p < 1)
+    if topp.any():
+        in_k = cand >= kappa[:, None]
+        cq = torch.where(valid & in_k, mass(cz, zmax[:, None], V), 0)
+        total = cq.sum(1)
+        missing = (topp & ~((kappa > L) | nothing_unsent)).nonzero().flatten()
+        local_q = None
+        if missing.numel():
+            local_q = _local_mass(x[missing], kappa[missing], t[missing], zmax[missing], V)
+            total[missing] = ranks.sum(local_q.sum(1))
+        target = top_p_target(total, rows.top_p)
+        cum = cq.gather(1, corder).cumsum(1)
+        first = (cum < target[:, None]).sum(1)
+        found = first < n * c
+        tau_c = key_value(ckey_sorted.gather(1, first.clamp(max=n * c - 1)[:, None])[:, 0])
+        certified = topp & found & ((tau_c > L) | nothing_unsent)
+        tau[certified] = tau_c[certified]
+        search = (topp & ~certified).nonzero().flatten()
+        if search.numel():
+            if local_q is not None and torch.isin(search, missing).all():  # reuse, usual when flat
+                q = local_q[torch.searchsorted(missing, search)]
+            else:
+                q = _local_mass(x[search], kappa[search], t[search], zmax[search], V)
+            u = torch.where(real, order_key(x[search]) + 2**31, -1)
+            tau[search] = key_value(_radix_select(u, q, target[search], ranks) - 2**31)
+
+    m = min_p_threshold(zmax, rows.min_p)
+    thr = torch.maximum(kappa, tau)
+    local = sampled & (nothing_unsent | (thr > L) | (L / t < m))
+    tokens = tokens.clone()
+    # the kept candidates' best score: exact where `local`, a lower bound on the winner elsewhere
+    keep = valid & sampled[:, None] & (cand >= thr[:, None]) & (cz >= m[:, None])
+    b, j = keep.nonzero(as_tuple=True)
+    floor_score, arg = gumbel_argmax(b, cand_id[b, j], cz[b, j], rows, positions, B)
+    tokens[local] = arg[local]
+    spread = (sampled & ~local).nonzero().flatten()
+    if spread.numel():
+        r, col, z = _contenders(x[spread], ids, thr[spread], t[spread], m[spread], floor_score[spread],
+                                row_keys(rows.seed, positions)[spread])
+        score, arg = gumbel_argmax(spread[r], ids[col], z, rows, positions, B)
+        g = ranks.gather(torch.stack([_f64_bits(score[spread]), arg[spread]], 1))
+        _, tokens[spread] = merge_argmax(g[..., 0].contiguous().view(torch.float64), g[..., 1])
+    return tokens
+
+
+def _contenders(x, ids, thr, t, m, floor_score, keys) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row, column, z) of this shard's kept tokens that can still beat ``floor_score``: a token
+    whose noise bound (16 hashed bits, :func:`gumbel_bound`) cannot reach it is dropped before
+    its exact noise is computed. Never drops a possible winner (the bound is conservative)."""
+    z = x.double() / t[:, None]
+    reach = z + gumbel_bound()[gumbel_bucket(keys[:, None, :], ids)] >= floor_score[:, None]
+    r, col = ((ids >= 0) & (x >= thr[:, None]) & (z >= m[:, None]) & reach).nonzero(as_tuple=True)
+    return r, col, z[r, col]
+
+
+def _local_mass(x, kappa, t, zmax, V: int) -> torch.Tensor:
+    """Integer masses of this shard's tokens in the top-k set (padding is -inf: mass 0)."""
+    z = x.double() / t[:, None]
+    return torch.where(x >= kappa[:, None], mass(z, zmax[:, None], V), 0)
+
+
+def _radix_select(u: torch.Tensor, weight: torch.Tensor | None, need: torch.Tensor,
+                  ranks: _Ranks) -> torch.Tensor:
+    """Per row, the largest ``v`` with ``sum(weight[u >= v]) >= need`` (weight 1 when None),
+    over all ranks: ``u`` are this shard's keys in [0, 2**32), -1 = not a token. 32 / RADIX_BITS
+    rounds of one all-reduce of ``2**RADIX_BITS`` int64 per row."""
+    F, R = u.shape
+    buckets = 1 << RADIX_BITS
+    w = torch.ones_like(u) if weight is None else weight
+    live = (u >= 0) & (w > 0)  # tokens of no weight cannot move the answer
+    row = torch.arange(F)[:, None].expand(F, R)[live]
+    u, w = u[live], w[live]
+    prefix = torch.zeros(F, dtype=torch.long)
+    above = torch.zeros(F, dtype=torch.long)
+    for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):
+        digit = (u >> shift) & (buckets - 1)
+        hist = torch.zeros(F * buckets, dtype=torch.long).index_add_(0, row * buckets + digit, w)
+        hist = ranks.sum(hist.view(F, buckets))
+        suffix = hist.flip(1).cumsum(1).flip(1)  # suffix[d] = weight with digit >= d
+        d = ((above[:, None] + suffix) >= need[:, None]).sum(1) - 1
+        nxt = suffix.gather(1, (d + 1).clamp(max=buckets - 1)[:, None])[:, 0]
+        above += torch.where(d < buckets - 1, nxt, 0)
+        prefix = prefix * buckets + d
+        live = digit == d[row]  # only tokens under the chosen prefix matter from here on
+        row, u, w = row[live], u[live], w[live]
+    return prefix
+
+
+# ---------------------------------------------------------------------- logprobs
+def _logprobs(raw, tokens, r1: _RoundOne, n: int, layout: VocabLayout, ranks: _Ranks) -> SampleOutput:
+    M = r1.raw_max.max(0).values
+    S = torch.zeros_like(M)
+    for r in range(r1.raw_max.shape[0]):  # fixed rank order
+        S = S + torch.where(r1.raw_max[r] == NEG_INF, 0.0, r1.raw_sum[r] * torch.exp(r1.raw_max[r] - M))
+    lse = M + torch.log(S)
+    col, owned = layout.local_ids(tokens, ranks.me)
+    chosen = torch.full(tokens.shape, NEG_INF)
+    if raw.shape[1]:
+        chosen = torch.where(owned, raw.gather(1, col[:, None])[:, 0], NEG_INF)
+    chosen = ranks.max(chosen)
+    B = tokens.numel()
+    vals = r1.raw_cand.permute(1, 0, 2).reshape(B, -1)
+    cid = r1.raw_cand_id.permute(1, 0, 2).reshape(B, -1)
+    top = rank_key(vals.float(), cid).topk(n, 1).indices
+    return SampleOutput(tokens, (chosen.double() - lse).float(), cid.gather(1, top),
+                        (vals.gather(1, top) - lse[:, None]).float())
