@@ -210,3 +210,35 @@ def test_launch_error_names_failing_ranks_for_dp():
 
 def _call_head_as_layer():
     ParallelLMHead(VocabLayout(10, 1), 4)(torch.zeros(1, 4))
+
+
+def _subgroups():
+    """SGLang-style sub-group sharding: ranks {0,1} and {2,3} each shard the vocab over their
+    own group (the attention-TP group); the world never takes part."""
+    import torch.distributed as dist
+
+    me = comm.rank()
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = groups[me // 2]
+    layout = VocabLayout(1003, 2, scheme="uneven")
+    weight, hidden = _tensors(1003, 16, torch.float32, seed=me // 2)  # each group its own model
+    emb = VocabParallelEmbedding(layout, 16, group=group)
+    emb.load_full_weight(weight)
+    head = ParallelLMHead(layout, 16, group=group, tie_to=emb, deterministic=True)
+    ids = torch.arange(0, 1003, 7)
+    ref = reference_logits(hidden, weight, True)
+    return {
+        "embedding": torch.equal(emb(ids), weight[ids]),
+        "all_gather": torch.equal(compute_logits(head, hidden, strategy="all_gather"), ref),
+        "gather": (lambda got: got is None if comm.rank(group) == 0 else torch.equal(got, ref))(
+            compute_logits(head, hidden, strategy="gather", dst=1)),
+        "all_to_all": torch.equal(compute_logits(head, hidden, strategy="all_to_all"),
+                                  ref[comm.rank(group) * 12: (comm.rank(group) + 1) * 12]),
+        "group_rank": comm.rank(group),
+    }
+
+
+def test_vocab_sharded_over_sub_groups():
+    results = run(_subgroups, 4)
+    assert [r.pop("group_rank") for r in results] == [0, 1, 0, 1]
+    assert all(all(r.values()) for r in results), results
