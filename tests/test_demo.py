@@ -50,3 +50,20 @@ def test_bench_runs_each_script_and_reports_failures(tmp_path, capfd):
     assert main(["bench", "--dir", str(tmp_path)]) == 1
     assert "failed: bench_b.py" in capfd.readouterr().err
     assert main(["bench", "--dir", str(tmp_path), "--only", "c"]) == 2
+
+
+def test_bench_writes_report_and_plots_the_demo_data(tmp_path, demo):
+    from vocabpar.cli import main
+    from vocabpar.demo import DemoResult, Row, plot
+
+    (tmp_path / "bench_a.py").write_text("print('| a | 1 |')\n")
+    out = tmp_path / "report.md"
+    assert main(["bench", "--dir", str(tmp_path), "--out", str(out)]) == 0
+    assert "| a | 1 |" in out.read_text() and "bench_a.py" in out.read_text()
+    _, data = demo  # the measured rows of the demo run above, plotted
+    fields = {f for f in Row.__dataclass_fields__}
+    rows = [Row(**{k: v for k, v in r.items() if k in fields}) for r in data["rows"]]
+    result = DemoResult(**{k: data[k] for k in DemoResult.__dataclass_fields__ if k != "rows"}, rows=rows)
+    png = tmp_path / "demo.png"
+    plot(result, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -137,11 +137,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not scripts:
         raise ValueError(f"no benchmark scripts bench_*.py{' named ' + args.only if args.only else ''} "
                          f"in {args.dir!r}")
-    failed = []
+    failed, report = [], []
     for script in scripts:
         print(f"\n== {script} ==", flush=True)
-        if subprocess.run([sys.executable, str(script)]).returncode:
+        done = subprocess.run([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+        print(done.stdout, end="", flush=True)
+        report.append(f"### `{sys.executable} {script}`\n\n{done.stdout}")
+        if done.returncode:
             failed.append(script.name)
+    if args.out:
+        pathlib.Path(args.out).write_text("\n".join(report))
+    if args.plot:
+        from vocabpar.demo import plot, run_demo
+
+        plot(run_demo(progress=False), args.plot)
+        print(f"\nwrote {args.plot}")
     if failed:
         print(f"\nfailed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
@@ -192,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="run the benchmark scripts (bench_*.py) and print their tables")
     p.add_argument("--dir", default="benchmarks", help="folder holding bench_*.py (default: ./benchmarks)")
     p.add_argument("--only", help="run one script, e.g. 'embedding' or 'bench_embedding'")
+    p.add_argument("--out", metavar="FILE.md", help="also write every script's output (markdown) here")
+    p.add_argument("--plot", metavar="FILE.png", help="run the demo and plot bytes and time per design")
     p.set_defaults(func=cmd_bench)
     return parser
 

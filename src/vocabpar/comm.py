@@ -42,6 +42,9 @@ class Counter:
     received: int = 0
 
 
+# one output buffer, no per-rank list: ``all_gather_single`` (torch >= 2.13) or its older name
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 _counters: dict[str, Counter] = defaultdict(Counter)
 _booking: list[str] = []  # innermost ``booked_as`` label, overriding the collective's kind
 
@@ -148,7 +151,8 @@ def all_gather(t: torch.Tensor, group: ProcessGroup = None) -> torch.Tensor:
     if n == 1:
         return t.unsqueeze(0)
     out = torch.empty((n, *t.shape), dtype=t.dtype, device=t.device)
-    dist.all_gather(list(out.unbind(0)), t.contiguous(), group=group)
+    flat = t.reshape(1, -1) if t.dim() == 0 else t.contiguous()
+    _all_gather_into(out.view(n * flat.shape[0], *flat.shape[1:]), flat, group=group)
     _count("all_gather", (n - 1) * _nbytes(t), (n - 1) * _nbytes(t))
     return out
 

@@ -262,3 +262,32 @@ def _lifetime_peak_rss() -> int:
 def _say(enabled: bool, text: str) -> None:
     if enabled:
         print(text, file=sys.stderr, flush=True)
+
+
+def plot(result: DemoResult, path: str) -> None:
+    """Write a PNG of the demo's measurements: bytes received per rank per decode step (with the
+    planner's prediction) and milliseconds per step, one bar per design and mode."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ValueError("plotting needs matplotlib: pip install 'vocabpar[plot]'") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r.design} ({r.mode})" for r in result.rows]
+    where = list(range(len(labels)))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.4 * len(labels) + 1.5), sharey=True)
+    left.barh(where, [max(r.measured, 1) for r in result.rows], label="measured (vocabpar.comm)")
+    predicted = [(i, r.predicted) for i, r in enumerate(result.rows) if r.predicted]
+    left.scatter([p for _, p in predicted], [i for i, _ in predicted], color="black", marker="|", s=200,
+                 label="planner", zorder=3)
+    left.set(xscale="log", xlabel="bytes received per rank per decode step", yticks=where, yticklabels=labels)
+    left.legend(fontsize=8)
+    right.barh(where, [r.ms_per_step for r in result.rows], color="tab:orange")
+    right.set(xlabel="ms per decode step")
+    fig.suptitle(f"{result.model}: vocab {result.vocab}, {result.ranks} gloo ranks, batch {result.batch}")
+    for ax in (left, right):
+        ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
