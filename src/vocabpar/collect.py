@@ -116,7 +116,9 @@ def iter_logits(head: ParallelLMHead, hidden: torch.Tensor, *, strategy: str,
     (``None`` off the destination for ``gather``; a ``[rows, shard]`` block for ``none``). At
     most ``max_rows`` rows of hidden state are computed and collected per chunk, over all ranks;
     every rank walks the same chunks."""
-    group = head.group if group is None else group
+    if group is not None and group is not head.group:
+        raise ValueError("group must be the process group the head was built on (or None)")
+    group = head.group
     n, me = comm.world_size(group), comm.rank(group)
     names = sorted([*STRATEGIES, "dp_gather_scatter"])
     if strategy not in names:
@@ -143,7 +145,7 @@ def iter_logits(head: ParallelLMHead, hidden: torch.Tensor, *, strategy: str,
                          f"(rank {me}); pad the batch or use dp_gather_scatter")
     # chunk k takes the k-th slice of every rank's block, so each chunk is again n equal blocks
     block = total // n
-    blocks = hidden.view(n, block, hidden.shape[1])
+    blocks = hidden.reshape(n, block, hidden.shape[1])
     for rows in _chunks(block, max(1, (max_rows or total) // n)):
         yield rows, _all_to_all(head, blocks[:, rows].reshape(-1, hidden.shape[1]), group, dst)
 
@@ -196,8 +198,7 @@ def compute_logits(head: ParallelLMHead, hidden: torch.Tensor, *, strategy: str,
     * ``dp_gather_scatter``: each rank passes its own rows and gets exactly those back
       (``scatter``: ``all_to_all`` or SGLang's ``all_gather``);
     * ``none``: :class:`ShardedLogits`, this rank's ``[B, rows]`` shard for the sampler."""
-    group = head.group if group is None else group
-    own = hidden.shape[0] // comm.world_size(group) if strategy == "all_to_all" else hidden.shape[0]
+    own = hidden.shape[0] // comm.world_size(head.group) if strategy == "all_to_all" else hidden.shape[0]
     out = None
     for rows, logits in iter_logits(head, hidden, strategy=strategy, group=group, max_rows=max_rows,
                                     dst=dst, scatter=scatter):
