@@ -92,12 +92,17 @@ def _special_cases():
             qlayout = VocabLayout(1000, n, org_vocab_size=990, scheme=scheme)
             float_table = full_table(1000, 10, torch.float32)
             q, scale = quantize_rows(float_table, qdtype)
-            emb = VocabParallelEmbedding(qlayout, 10, dtype=qdtype, quantized=True,
-                                         compute_dtype=torch.bfloat16)
-            emb.load_full_weight(q, scale)
-            ids = torch.randint(0, 1000, (64,), generator=torch.Generator().manual_seed(1))
-            ref = F.embedding(ids, dequantize_rows(q, scale, torch.bfloat16))
-            out[f"quant_{qdtype}_{scheme}"] = same_bits(emb(ids), ref)
+            for exchange in ("all_reduce", "owner_gather"):  # scales travel with the rows in both
+                emb = VocabParallelEmbedding(qlayout, 10, dtype=qdtype, quantized=True,
+                                             compute_dtype=torch.bfloat16, exchange=exchange)
+                emb.load_full_weight(q, scale)
+                ids = torch.randint(0, 1000, (64,), generator=torch.Generator().manual_seed(1))
+                ref = F.embedding(ids, dequantize_rows(q, scale, torch.bfloat16))
+                out[f"quant_{qdtype}_{scheme}_{exchange}"] = same_bits(emb(ids), ref)
+            odd = VocabParallelEmbedding(qlayout, 3, dtype=qdtype, quantized=True)  # 3 B rows + 4 B scale
+            odd.load_full_weight(float_table[:, :3])
+            empty = odd(torch.empty(2, 0, dtype=torch.long))
+            out[f"quant_empty_{qdtype}_{scheme}"] = empty.shape == (2, 0, 3)
     # replicated scheme: no collective at all
     comm.reset_traffic()
     emb = VocabParallelEmbedding(VocabLayout(1000, n, scheme="replicated"), 16, dtype=torch.bfloat16)
@@ -162,6 +167,15 @@ def test_local_construction_errors():
     emb = VocabParallelEmbedding(layout, 8)
     with pytest.raises(ValueError, match=r"expected shape \(100, 8\), found \(99, 8\)"):
         emb.load_full_weight(torch.zeros(99, 8))
+    with pytest.raises(ValueError, match="scales given for an unquantized table"):
+        emb.load_full_weight(torch.zeros(100, 8), torch.ones(100))
+    quantized = VocabParallelEmbedding(layout, 8, dtype=torch.int8, quantized=True)
+    with pytest.raises(ValueError, match="rows given with scales must already be torch.int8"):
+        quantized.load_full_weight(torch.full((100, 8), 0.7), torch.full((100,), 0.01))
+    with pytest.raises(ValueError, match="need their per-row scales"):
+        quantized.load_full_weight(torch.zeros(100, 8, dtype=torch.int8))
+    with pytest.raises(ValueError, match=r"expected shape \(100,\)"):
+        quantized.load_full_weight(torch.zeros(100, 8, dtype=torch.int8), torch.ones(99))
 
 
 def test_safetensors_loading_reads_only_own_rows(tmp_path):

@@ -135,6 +135,9 @@ def _features_and_traffic():
         except (ValueError, RuntimeError) as e:
             errors[name] = str(e)
     out["errors"] = errors
+    import torch.distributed as dist
+    world = compute_logits(plain, hidden, strategy="all_gather", group=dist.group.WORLD)
+    out["world_handle"] = torch.equal(world, compute_logits(plain, hidden, strategy="all_gather"))
     out["after"] = torch.equal(compute_logits(plain, hidden, strategy="all_gather"),
                                compute_logits(plain, hidden, strategy="all_gather", max_rows=7))
     return out
@@ -162,7 +165,7 @@ def test_features_traffic_and_errors():
                 or "does not match" in errors["dp_one_rank_bad"])
         assert "not a layer" in errors["call_as_layer"]
         assert "max_rows must be a positive int" in errors["max_rows"]
-        assert out["after"]
+        assert out["after"] and out["world_handle"]
 
 
 def run_argmax_reference():

@@ -405,3 +405,13 @@ def test_xgrammar_mask():
     for per_rank in run(_sample_all, 3, [case]):
         for scheme in ("padded", "uneven", "replicated"):
             assert torch.equal(per_rank["xgr", scheme][0].tokens, ref.tokens)
+
+
+def test_empty_batch_matches_reference_with_logprobs():
+    layout = VocabLayout(10, 1)
+    params = SamplingParams(temperature=0.7, top_p=0.9, logprobs=2)
+    positions = torch.empty(0, dtype=torch.long)
+    got = sample(torch.empty(0, layout.shard(0).rows), layout, params, positions=positions)
+    want = reference_sample(torch.empty(0, 10), params, positions=positions)
+    for a, b in ((got.tokens, want.tokens), (got.top_ids, want.top_ids), (got.logprob, want.logprob)):
+        assert a.shape == b.shape and a.dtype == b.dtype

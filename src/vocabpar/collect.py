@@ -116,7 +116,7 @@ def iter_logits(head: ParallelLMHead, hidden: torch.Tensor, *, strategy: str,
     (``None`` off the destination for ``gather``; a ``[rows, shard]`` block for ``none``). At
     most ``max_rows`` rows of hidden state are computed and collected per chunk, over all ranks;
     every rank walks the same chunks."""
-    if group is not None and group is not head.group:
+    if group is not None and not comm.same_group(group, head.group):
         raise ValueError("group must be the process group the head was built on (or None)")
     group = head.group
     n, me = comm.world_size(group), comm.rank(group)

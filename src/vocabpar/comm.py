@@ -94,6 +94,12 @@ def rank(group: ProcessGroup = None) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
+def same_group(a: ProcessGroup, b: ProcessGroup) -> bool:
+    """Whether two group handles name the same group (``None`` is the world)."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    return (world if a is None else a) is (world if b is None else b)
+
+
 def global_rank(group: ProcessGroup, group_rank: int) -> int:
     """Global rank of ``group_rank`` within ``group`` (collectives take global src/dst)."""
     if group is None or not dist.is_initialized():

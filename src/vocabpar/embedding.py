@@ -105,6 +105,8 @@ class VocabParallelEmbedding(VocabShardedMatrix):
         return out.index_copy_(0, order[skipped:], rows.index_select(0, source))
 
     def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        if packed.shape[0] == 0:
+            return torch.empty(0, self.embedding_dim, dtype=self.compute_dtype, device=packed.device)
         raw = packed.view(torch.uint8)
         if not self.quantized:
             return raw.view(self.table.dtype)

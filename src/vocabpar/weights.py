@@ -78,8 +78,12 @@ class VocabShardedMatrix(nn.Module):
             stride = -(-dim // per_row) * per_row
             self.storage = nn.Parameter(torch.zeros(self.shard.rows + 1, stride, dtype=dtype,
                                                     device=device), requires_grad=False)
-        self.register_buffer("scale", torch.ones(self.shard.rows + 1, device=device) if quantized
-                             else None)
+        # rows not yet loaded (padding) dequantize to zero with scale 1; the sentinel's scale is 0,
+        # so a non-owner's scale bytes are zero too and the bit-pattern sum stays exact
+        scale = torch.ones(self.shard.rows + 1, device=device) if quantized else None
+        if scale is not None:
+            scale[-1] = 0.0
+        self.register_buffer("scale", scale)
         comm.verify_consistent(group, **layout.describe(), dim=dim, dtype=str(dtype),
                                quantized=quantized, compute_dtype=str(self.compute_dtype),
                                kind=type(self).__name__, **facts)
@@ -107,14 +111,11 @@ class VocabShardedMatrix(nn.Module):
 
     @torch.no_grad()
     def load_full_weight(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
-        """Copy this rank's rows out of the full ``[vocab_size, dim]`` matrix (``scale``: the full
-        per-row scales of a quantized table; an unquantized float matrix given to a quantized
-        module is quantized here)."""
+        """Copy this rank's rows out of the full ``[vocab_size, dim]`` matrix. A quantized table
+        takes either a float matrix (quantized here, row by row) or already-quantized rows in its
+        storage dtype with their full per-row ``scale`` ``[vocab_size]``."""
         self._check_shape("weight", tuple(weight.shape), (self.layout.vocab_size, self.dim))
-        if scale is not None:
-            if not self.quantized:
-                raise ValueError("scale given for an unquantized table")
-            self._check_shape("scale", tuple(scale.shape), (self.layout.vocab_size,))
+        self._check_scale("scale", None if scale is None else tuple(scale.shape))
         for start, end, local in self._row_ranges():
             self._put(local, weight[start:end], None if scale is None else scale[start:end])
 
@@ -129,8 +130,16 @@ class VocabShardedMatrix(nn.Module):
             sliced = f.get_slice(name)
             self._check_shape(name, tuple(sliced.get_shape()), (self.layout.vocab_size, self.dim))
             scales = f.get_slice(scale_name) if scale_name else None
+            self._check_scale(scale_name, None if scales is None else tuple(scales.get_shape()))
             for start, end, local in self._row_ranges():
                 self._put(local, sliced[start:end], scales[start:end] if scales is not None else None)
+
+    def _check_scale(self, what: str | None, shape: tuple | None) -> None:
+        if shape is None:
+            return
+        if not self.quantized:
+            raise ValueError(f"{what}: per-row scales given for an unquantized table (rank {self.rank})")
+        self._check_shape(what, shape, (self.layout.vocab_size,))
 
     def _put(self, local: int, rows: torch.Tensor, scale: torch.Tensor | None) -> None:
         """Store ``rows`` at local row ``local`` (quantizing them when no scales are given)."""
@@ -138,6 +147,9 @@ class VocabShardedMatrix(nn.Module):
             if rows.dtype in QUANT_DTYPES:
                 raise ValueError(f"already-quantized rows ({rows.dtype}) need their per-row scales")
             rows, scale = quantize_rows(rows, self.storage.dtype)
+        elif scale is not None and rows.dtype != self.storage.dtype:
+            raise ValueError(f"rows given with scales must already be {self.storage.dtype}, got "
+                             f"{rows.dtype} (pass float rows without scales to quantize them)")
         if rows.shape[0]:
             self.table[local: local + rows.shape[0]] = rows.to(self.storage.dtype)
             if scale is not None:

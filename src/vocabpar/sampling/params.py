@@ -6,6 +6,7 @@ bad input before any collective is issued: an invalid request never leaves a ran
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -160,3 +161,16 @@ def check_bitmask(bitmask: torch.Tensor, batch: int, vocab_size: int) -> None:
     if bitmask.dtype != torch.int32 or bitmask.shape != (batch, words):
         raise ValueError(f"bitmask must be int32 [{batch}, {words}] (xgrammar format), "
                          f"got {bitmask.dtype}{tuple(bitmask.shape)}")
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Within the block, tensor factories default to ``device`` (nothing to do on the CPU)."""
+    return torch.device(device) if device.type != "cpu" else contextlib.nullcontext()
+
+
+def to_device(device: torch.device, positions: torch.Tensor, token_counts: TokenCounts | None,
+              bitmask: torch.Tensor | None) -> tuple[torch.Tensor, TokenCounts | None, torch.Tensor | None]:
+    """The caller's per-row inputs on the logits' device."""
+    counts = None if token_counts is None else TokenCounts(token_counts.ids.to(device),
+                                                           token_counts.counts.to(device))
+    return positions.to(device), counts, None if bitmask is None else bitmask.to(device)

@@ -16,7 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from vocabpar.sampling.params import SamplingParams, TokenCounts, check_bitmask, check_positions
+from vocabpar.sampling.params import (
+    SamplingParams,
+    TokenCounts,
+    check_bitmask,
+    check_positions,
+    on_device,
+    to_device,
+)
 from vocabpar.sampling.semantics import (
     SampleOutput,
     check_rows,
@@ -31,19 +38,25 @@ from vocabpar.sampling.semantics import (
 def reference_sample(full_logits: torch.Tensor, params: SamplingParams, *, positions: torch.Tensor,
                      token_counts: TokenCounts | None = None,
                      bitmask: torch.Tensor | None = None) -> SampleOutput:
-    """Sample one token per row of FP32 ``full_logits`` ``[B, vocab_size]``."""
+    """Sample one token per row of FP32 ``full_logits`` ``[B, vocab_size]`` (on their device)."""
+    with on_device(full_logits.device):
+        return _reference_on_device(full_logits, params, positions, token_counts, bitmask)
+
+
+def _reference_on_device(full_logits, params, positions, token_counts, bitmask) -> SampleOutput:
     if full_logits.dtype != torch.float32 or full_logits.dim() != 2:
         raise ValueError(f"logits must be float32 [B, V], got {full_logits.dtype}{tuple(full_logits.shape)}")
     B, V = full_logits.shape
     rows = params.resolve(B, V)
     positions = check_positions(positions, B)
     ids = torch.arange(V)
-    penalty = None
     if token_counts is not None:
         token_counts.check(B, V)
-        penalty = (token_counts.ids.clamp(min=0), token_counts.ids >= 0, token_counts)
     if bitmask is not None:
         check_bitmask(bitmask, B, V)
+    positions, token_counts, bitmask = to_device(full_logits.device, positions, token_counts, bitmask)
+    penalty = None if token_counts is None else (token_counts.ids.clamp(min=0), token_counts.ids >= 0,
+                                                 token_counts)
     x = processed_logits(full_logits, ids, rows, penalty, bitmask)
     xmax = x.max(1).values
     check_rows(full_logits.isnan().any(1), xmax == float("-inf"))

@@ -32,7 +32,15 @@ import torch
 from vocabpar import comm
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling.noise import gumbel_bound, gumbel_bucket, row_keys
-from vocabpar.sampling.params import Rows, SamplingParams, TokenCounts, check_bitmask, check_positions
+from vocabpar.sampling.params import (
+    Rows,
+    SamplingParams,
+    TokenCounts,
+    check_bitmask,
+    check_positions,
+    on_device,
+    to_device,
+)
 from vocabpar.sampling.semantics import (
     NEG_INF,
     PAD_KEY,
@@ -92,7 +100,13 @@ def sample(local_logits: torch.Tensor, layout: VocabLayout, params: SamplingPara
     """Sample one token per row from this rank's FP32 shard ``[B, rows]``; every rank of the
     group returns the same :class:`SampleOutput`, equal to :func:`reference_sample` on the full
     logits. Invalid input raises ``ValueError`` on every rank before any collective; NaN rows
-    and rows with nothing allowed raise it on every rank after the first."""
+    and rows with nothing allowed raise it on every rank after the first. Works on the device
+    of ``local_logits`` (CUDA under NCCL)."""
+    with on_device(local_logits.device):
+        return _sample_on_device(local_logits, layout, params, positions, group, token_counts, bitmask)
+
+
+def _sample_on_device(local_logits, layout, params, positions, group, token_counts, bitmask) -> SampleOutput:
     ranks = _ranks(layout, group)
     V = layout.vocab_size
     if local_logits.dtype != torch.float32 or local_logits.dim() != 2 \
@@ -102,12 +116,12 @@ def sample(local_logits: torch.Tensor, layout: VocabLayout, params: SamplingPara
     B = local_logits.shape[0]
     rows = params.resolve(B, V)
     positions = check_positions(positions, B)
-    penalty = None
     if token_counts is not None:
         token_counts.check(B, V)
-        penalty = (*layout.local_ids(token_counts.ids, ranks.me), token_counts)
     if bitmask is not None:
         check_bitmask(bitmask, B, V)
+    positions, token_counts, bitmask = to_device(local_logits.device, positions, token_counts, bitmask)
+    penalty = None if token_counts is None else (*layout.local_ids(token_counts.ids, ranks.me), token_counts)
     raw, ids = local_logits, ranks.ids
     x = processed_logits(raw, ids, rows, penalty, bitmask)
 
@@ -287,7 +301,7 @@ def _contenders(x, ids, thr, t, m, floor_score, keys) -> tuple[torch.Tensor, tor
     whose noise bound (16 hashed bits, :func:`gumbel_bound`) cannot reach it is dropped before
     its exact noise is computed. Never drops a possible winner (the bound is conservative)."""
     z = x.double() / t[:, None]
-    reach = z + gumbel_bound()[gumbel_bucket(keys[:, None, :], ids)] >= floor_score[:, None]
+    reach = z + gumbel_bound().to(z.device)[gumbel_bucket(keys[:, None, :], ids)] >= floor_score[:, None]
     r, col = ((ids >= 0) & (x >= thr[:, None]) & (z >= m[:, None]) & reach).nonzero(as_tuple=True)
     return r, col, z[r, col]
 
@@ -338,8 +352,9 @@ def _logprobs(raw, tokens, r1: _RoundOne, n: int, layout: VocabLayout, ranks: _R
         chosen = torch.where(owned, raw.gather(1, col[:, None])[:, 0], NEG_INF)
     chosen = ranks.max(chosen)
     B = tokens.numel()
-    vals = r1.raw_cand.permute(1, 0, 2).reshape(B, -1)
-    cid = r1.raw_cand_id.permute(1, 0, 2).reshape(B, -1)
+    width = r1.raw_cand.shape[0] * r1.raw_cand.shape[2]  # ranks x candidates (B may be 0)
+    vals = r1.raw_cand.permute(1, 0, 2).reshape(B, width)
+    cid = r1.raw_cand_id.permute(1, 0, 2).reshape(B, width)
     top = rank_key(vals.float(), cid).topk(n, 1).indices
     return SampleOutput(tokens, (chosen.double() - lse).float(), cid.gather(1, top),
                         (vals.gather(1, top) - lse[:, None]).float())
