@@ -34,6 +34,8 @@ def test_every_design_generates_the_reference_tokens(demo):
 
 def test_measured_bytes_equal_the_planner(demo):
     _, data = demo
+    unchecked = [(r["design"], r["mode"]) for r in data["rows"] if r["predicted"] is None]
+    assert unchecked == [("vocabpar-sharded", "sampled")]  # data-dependent rounds: no formula
     mismatched = [(r["design"], r["mode"], r["measured"], r["predicted"]) for r in data["rows"]
                   if r["bytes_agree"] is False]
     assert mismatched == [] and data["bytes_agree"]

@@ -78,3 +78,23 @@ def test_bad_arguments():
     for prompts, tokens in (([], 2), ([[1], []], 2), ([[1]], 0)):
         with pytest.raises(ValueError):
             lm.generate(prompts, None, tokens)
+
+
+def test_scaled_embeddings_are_rejected_not_silently_wrong():
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    config = GemmaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    model = GemmaForCausalLM(config)  # its embedding multiplies by sqrt(hidden_size)
+    with pytest.raises(TypeError, match="subclasses such as scaled embeddings are not supported"):
+        parallelize(model)
+
+
+def test_invalid_pad_token_id_falls_back_to_a_valid_id():
+    from vocabpar.integrations.hf import pad_id
+
+    model = build_model("llama")
+    model.config.pad_token_id, model.config.eos_token_id, model.config.bos_token_id = -1, 32001, None
+    assert pad_id(model.config) == 0
+    greedy = hf_generate(build_model("llama"), PROMPTS, 2)
+    assert parallelize(model).generate(PROMPTS, None, 2).tokens == greedy

@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
+from typing import NoReturn
 
 from vocabpar import plan
 from vocabpar.layout import SCHEMES, VocabLayout
@@ -14,7 +15,10 @@ from vocabpar.presets import DEFAULT_PRESET, PRESETS, preset
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
@@ -122,8 +126,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
           "seeds\n(sampled). recv: bytes the busiest rank received per decode step (vocabpar.comm counters),"
           "\nthe exchange of sampled ids shown apart (the planner leaves it out). planner: its formulas for "
           "the\nsame shapes and ownership counts ('-': sharded sampling beyond greedy has no formula).")
+    checked = [r for r in result.rows if r.predicted is not None]
+    equal = sum(r.bytes_agree for r in checked)
     print(f"\ntokens: {'every design agrees' if result.tokens_agree else 'SOME DESIGNS DIFFER'}; bytes: "
-          f"{'all equal to the planner' if result.bytes_agree else 'some rows differ from the planner'}")
+          f"{equal} of {len(checked)} rows with a planner formula equal it "
+          f"({len(result.rows) - len(checked)} without a formula)")
     return status
 
 
@@ -137,6 +144,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not scripts:
         raise ValueError(f"no benchmark scripts bench_*.py{' named ' + args.only if args.only else ''} "
                          f"in {args.dir!r}")
+    for target in (args.out, args.plot):  # fail before minutes of benchmarks, not after
+        if target and not pathlib.Path(target).resolve().parent.is_dir():
+            raise ValueError(f"cannot write {target!r}: its folder does not exist")
     failed, report = [], []
     for script in scripts:
         print(f"\n== {script} ==", flush=True)
@@ -157,8 +167,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Argument errors as one line on stderr, exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="vocabpar", description="Vocabulary-parallel embedding, LM head, logits and sampling.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("layout", help="show how a vocabulary is split over ranks")
@@ -213,6 +230,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"vocabpar {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -278,6 +278,9 @@ def plot(result: DemoResult, path: str) -> None:
     where = list(range(len(labels)))
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.4 * len(labels) + 1.5), sharey=True)
     left.barh(where, [max(r.measured, 1) for r in result.rows], label="measured (vocabpar.comm)")
+    for i, r in enumerate(result.rows):
+        if r.measured == 0:  # log axis: a zero-byte design gets a label instead of a bar
+            left.text(1.2, i, "0 B: no collective", va="center", fontsize=8)
     predicted = [(i, r.predicted) for i, r in enumerate(result.rows) if r.predicted]
     left.scatter([p for _, p in predicted], [i for i, _ in predicted], color="black", marker="|", s=200,
                  label="planner", zorder=3)

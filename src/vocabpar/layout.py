@@ -146,7 +146,12 @@ class VocabLayout:
 
     @property
     def max_rows(self) -> int:
-        return max(s.rows for s in self.shards)
+        """Rows of the largest shard (rank 0's), without building every shard."""
+        if self.scheme == "padded":
+            return self.padded_vocab_size // self.world_size
+        if self.scheme == "uneven":
+            return -(-self.vocab_size // self.world_size)
+        return self.vocab_size
 
     # ------------------------------------------------------------------ id arithmetic
     def owner(self, ids: torch.Tensor) -> torch.Tensor:

@@ -115,7 +115,7 @@ def logits_buffer_bytes(strategy: str, batch: int, vocab: int, ranks: int, dtype
     """Peak logits memory on the busiest rank: the local ``[B, c]`` shard plus what the
     strategy collects -- ``[B, n·c]`` (all_gather, gather), that plus the kept
     ``[ceil(B/dp), V]`` rows (dp_gather_scatter), ``[ceil(B/n), n·c]`` (all_to_all), nothing
-    (none). Replicated: ``[ceil(B/dp), V]`` computed locally."""
+    (none). Replicated: ``[ceil(B/dp), V]`` computed locally. One rank collects nothing."""
     if strategy == "replicated":
         return logits_bytes(-(-batch // dp), vocab, dtype_bytes)
     c = shard_rows(vocab, ranks, scheme, pad_to)
@@ -127,7 +127,7 @@ def logits_buffer_bytes(strategy: str, batch: int, vocab: int, ranks: int, dtype
                  "none": 0}
     if strategy not in collected:
         raise ValueError(f"unknown collection strategy {strategy!r}; expected one of {COLLECTIONS}")
-    return logits_bytes(batch, c, dtype_bytes) + collected[strategy]
+    return logits_bytes(batch, c, dtype_bytes) + (collected[strategy] if ranks > 1 else 0)
 
 
 def greedy_sampling_bytes(batch: int, ranks: int) -> int:
@@ -177,8 +177,9 @@ class Workload:
     def __post_init__(self) -> None:
         for name in ("vocab", "hidden", "ranks", "dp", "weight_dtype_bytes", "logits_dtype_bytes",
                      "pad_to", "bandwidth", "flops", "kv_bytes_per_token"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive finite number, got {value}")
         for name in ("batch", "tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
@@ -220,7 +221,8 @@ DESIGNS: tuple[Design, ...] = (
     Design("deepinfer-replicated", "DeepInfer", "replicated", "local", "replicated",
            "both matrices on every rank: local lookup, logits and sampling"),
     Design("vocabpar-sharded", "vocabpar", "padded", "owner_gather", "none",
-           "owner-gather embedding; sample on sharded logits (greedy traffic shown)"),
+           "owner-gather embedding (balanced ownership assumed); sample on sharded logits "
+           "(greedy traffic shown)"),
 )
 
 
@@ -299,8 +301,8 @@ class Recommendation:
 def recommend(costs: list[DesignCost], headroom_bytes: float | None = None) -> Recommendation:
     """The fastest design per decode step among those using the full rank count whose memory
     above the leanest fits ``headroom_bytes`` (no limit when ``None``), with the reason."""
-    if headroom_bytes is not None and headroom_bytes < 0:
-        raise ValueError(f"headroom must be non-negative, got {headroom_bytes / GiB:g} GiB")
+    if headroom_bytes is not None and not (math.isfinite(headroom_bytes) and headroom_bytes >= 0):
+        raise ValueError(f"headroom must be a non-negative finite number, got {headroom_bytes / GiB:g} GiB")
     ranks = max(c.ranks for c in costs)
     ranked = sorted((c for c in costs if c.ranks == ranks), key=lambda c: (c.step_time_s, c.memory_bytes))
     fits = [c for c in ranked if headroom_bytes is None or c.extra_memory_bytes <= headroom_bytes]

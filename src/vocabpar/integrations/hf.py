@@ -129,9 +129,11 @@ def parallelize(model: nn.Module, *, group: comm.ProcessGroup = None, scheme: st
         if getattr(model.config, key, None) not in (None, 1.0):
             raise ValueError(f"models with {key} are not supported")
     source, target = model.get_input_embeddings(), model.get_output_embeddings()
-    if not isinstance(source, nn.Embedding) or not isinstance(target, nn.Linear):
-        raise TypeError(f"expected an nn.Embedding input embedding and an nn.Linear LM head, got "
-                        f"{type(source).__name__} and {type(target).__name__}")
+    # exact types: a subclass may change forward (Gemma scales its embedding output)
+    if type(source) is not nn.Embedding or type(target) is not nn.Linear:
+        raise TypeError(f"expected a plain nn.Embedding input embedding and nn.Linear LM head, got "
+                        f"{type(source).__name__} and {type(target).__name__} (subclasses such as "
+                        f"scaled embeddings are not supported)")
     weight = source.weight.detach()
     if tuple(target.weight.shape) != tuple(weight.shape):
         raise ValueError(f"LM head {tuple(target.weight.shape)} and embedding {tuple(weight.shape)} "
@@ -180,12 +182,14 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tenso
 
 
 def pad_id(config: object) -> int:
-    """The id placed in left padding (masked out, so its value never reaches a real position)."""
+    """The id placed in left padding (masked out, so its value never reaches a real position;
+    it only has to be a valid id)."""
+    vocab = getattr(config, "vocab_size", None)
     for key in ("pad_token_id", "eos_token_id", "bos_token_id"):
         value = getattr(config, key, None)
         if isinstance(value, list):
             value = value[0] if value else None
-        if value is not None:
+        if value is not None and 0 <= int(value) < (vocab or int(value) + 1):
             return int(value)
     return 0
 
