@@ -55,7 +55,7 @@ class SamplingParams:
                 if bad.numel():
                     r = bad[0].item()
                     raise ValueError(f"row {r}: {name} must be an integer, got {t[r].item()}")
-            return t.to(dtype)
+            return t.to(dtype=dtype, device=torch.empty(0).device)  # the current default device
 
         rows = Rows(
             temperature=column("temperature", torch.float64), top_k=column("top_k", torch.int64),
