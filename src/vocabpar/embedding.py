@@ -53,26 +53,22 @@ class VocabParallelEmbedding(VocabShardedMatrix):
         flat = self._checked_ids(ids).reshape(-1)
         n = comm.world_size(self.group)
         if self.layout.scheme == "replicated" or n == 1:
-            self.last_exchange = "none"
-            packed = self._local_rows(flat)
+            mode, packed = "none", self._local_rows(flat)
+        elif self.exchange == "all_reduce":  # needs no ownership counts
+            mode, packed = "all_reduce", None
         else:
             owner = self.layout.owner(flat)
             counts = torch.bincount(owner + 1, minlength=n + 1).tolist()  # [out of range, r0, ...]
-            mode = self._choose(counts[1:], flat.numel())
-            self.last_exchange = mode
-            if mode == "all_reduce":
-                packed = comm.all_reduce_exact(self._local_rows(flat), self.group)
-            else:
-                packed = self._owner_gather(flat, owner, counts)
+            costs = exchange_costs(counts[1:], flat.numel())
+            auto = "owner_gather" if costs["owner_gather"] < costs["all_reduce"] else "all_reduce"
+            mode = auto if self.exchange == "auto" else self.exchange
+            packed = self._owner_gather(flat, owner, counts) if mode == "owner_gather" else None
+        if mode == "all_reduce":
+            packed = comm.all_reduce_exact(self._local_rows(flat), self.group)
+        self.last_exchange = mode
         return self._unpack(packed).reshape(*ids.shape, self.embedding_dim)
 
     # ------------------------------------------------------------------ steps
-    def _choose(self, counts: list[int], total: int) -> str:
-        if self.exchange != "auto":
-            return self.exchange
-        costs = exchange_costs(counts, total)
-        return "owner_gather" if costs["owner_gather"] < costs["all_reduce"] else "all_reduce"
-
     def _local_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """One gather: owned ids -> their local row, everything else -> the zero sentinel row.
         Rows travel as integer words; quantized rows carry their 4 scale bytes at the end."""
