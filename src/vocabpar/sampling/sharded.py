@@ -320,22 +320,22 @@ def _radix_select(u: torch.Tensor, weight: torch.Tensor | None, need: torch.Tens
     F, R = u.shape
     buckets = 1 << RADIX_BITS
     w = torch.ones_like(u) if weight is None else weight
-    live = (u >= 0) & (w > 0)  # tokens of no weight cannot move the answer
-    row = torch.arange(F)[:, None].expand(F, R)[live]
-    u, w = u[live], w[live]
+    w = torch.where((u >= 0) & (w > 0), w, 0)  # tokens of no weight cannot move the answer
+    base = torch.arange(F)[:, None] * buckets
     prefix = torch.zeros(F, dtype=torch.long)
     above = torch.zeros(F, dtype=torch.long)
     for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):
         digit = (u >> shift) & (buckets - 1)
-        hist = torch.zeros(F * buckets, dtype=torch.long).index_add_(0, row * buckets + digit, w)
+        hist = torch.zeros(F * buckets, dtype=torch.long).index_add_(0, (base + digit).view(-1), w.view(-1))
         hist = ranks.sum(hist.view(F, buckets))
         suffix = hist.flip(1).cumsum(1).flip(1)  # suffix[d] = weight with digit >= d
         d = ((above[:, None] + suffix) >= need[:, None]).sum(1) - 1
         nxt = suffix.gather(1, (d + 1).clamp(max=buckets - 1)[:, None])[:, 0]
         above += torch.where(d < buckets - 1, nxt, 0)
         prefix = prefix * buckets + d
-        live = digit == d[row]  # only tokens under the chosen prefix matter from here on
-        row, u, w = row[live], u[live], w[live]
+        # only tokens under the chosen prefix matter from here on; masking the weight in place
+        # beats compacting, since flat rows share their leading digits
+        w = torch.where(digit == d[:, None], w, 0)
     return prefix
 
 
