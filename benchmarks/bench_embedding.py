@@ -100,7 +100,7 @@ def main() -> None:
     args = parser.parse_args()
     res = run(bench, args.ranks, args.tokens, args.reps, timeout=600, run_timeout=1800)[0]
     local = res["local"]
-    print(f"## Embedding: {args.ranks} gloo ranks, T={args.tokens}, H={H}, V={V}, bf16\n")
+    print(f"### Embedding: {args.ranks} gloo ranks, T={args.tokens}, H={H}, V={V}, bf16\n")
     print("| local step (rank 0) | ms | vs fused |\n|---|---|---|")
     for name, sec in local.items():
         print(f"| {name} | {sec * 1e3:.2f} | {sec / local['fused']:.2f}x |")

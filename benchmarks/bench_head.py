@@ -20,7 +20,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import bytes_of, fmt_bytes, timed  # noqa: E402
 
-from vocabpar import ParallelLMHead, VocabLayout, comm, compute_logits, iter_logits, select_rows  # noqa: E402
+from vocabpar import (  # noqa: E402
+    ParallelLMHead,
+    VocabLayout,
+    comm,
+    compute_logits,
+    iter_logits,
+    rss,  # noqa: E402
+    select_rows,
+)
 from vocabpar.collect import _padded_local, _to_token_order  # noqa: E402
 from vocabpar.launch import run  # noqa: E402
 
@@ -28,21 +36,11 @@ V, H = 129280, 1024
 
 
 def peak_rss_delta(fn) -> int:
-    """Bytes by which this process's peak RSS rises above its current RSS while ``fn`` runs
-    (the kernel's high-water mark is reset first)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status("VmRSS")
+    """Bytes by which this process's peak RSS rises above its current RSS while ``fn`` runs."""
+    rss.reset_peak()
+    before = rss.status_bytes("VmRSS")
     fn()
-    return _status("VmHWM") - before
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
+    return rss.status_bytes("VmHWM") - before
 
 
 def bench(reps: int) -> dict:
@@ -121,7 +119,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
     res = run(bench, args.ranks, args.reps, timeout=900, run_timeout=1800)[0]
-    print(f"## LM head: {args.ranks} gloo ranks, V={V}, H={H}, bf16 weights, FP32 logits\n")
+    print(f"### LM head: {args.ranks} gloo ranks, V={V}, H={H}, bf16 weights, FP32 logits\n")
     p = res["prefill"]
     print(f"prefill 8 x 512 tokens: head on all 4096 rows {p['all rows'] * 1e3:.1f} ms, on the 8 last "
           f"rows {p['last rows'] * 1e3:.2f} ms: {p['all rows'] / p['last rows']:.0f}x\n")

@@ -15,13 +15,12 @@ from __future__ import annotations
 import gc
 import os
 import random
-import resource
 import sys
 from dataclasses import asdict, dataclass
 
 import torch
 
-from vocabpar import comm, launch, plan
+from vocabpar import comm, launch, plan, rss
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling import SamplingParams
 
@@ -177,11 +176,11 @@ def _rank_main(model_name: str, prompts: list[list[int]], tokens: int, progress:
         result = {}
         for mode, params in (("greedy", None), ("sampled", sampling_params(len(prompts)))):
             gc.collect()
-            peak = _reset_peak_rss()
+            peak = rss.reset_peak()
             g = lm.generate(prompts, params, tokens)
             result[mode] = {"rank": comm.rank(), "tokens": g.tokens, "inputs": g.inputs,
                             "seconds": g.step_seconds, "received": g.step_received, "weights": weights,
-                            "peak_rss": _peak_rss() if peak else _lifetime_peak_rss()}
+                            "peak_rss": rss.peak_bytes(peak)}
             _say(progress and comm.rank() == 0,
                  f"[{2 * i + len(result)}/{2 * len(todo)}] {design.name} {mode}: "
                  f"{1e3 * _mean(g.step_seconds[1:]):.1f} ms/step")
@@ -234,29 +233,6 @@ def _largest_owner_count(layout: VocabLayout, ids: torch.Tensor) -> int:
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
-
-
-def _reset_peak_rss() -> bool:
-    """Reset this process's peak resident set (Linux ``clear_refs``); False where unsupported."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("VmHWM missing from /proc/self/status")
-
-
-def _lifetime_peak_rss() -> int:
-    """Fallback where the peak cannot be reset: the process's lifetime peak (KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _say(enabled: bool, text: str) -> None:
