@@ -24,7 +24,7 @@ demo: install
 	$(BIN)/vocabpar demo
 
 test: install
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks scripts
 	$(BIN)/python -m pytest
 
 bench: install
