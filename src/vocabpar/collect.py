@@ -2,7 +2,8 @@
 
 Each strategy is one short function; they share two helpers: ``_padded_local`` (local FP32
 logits padded to the layout's widest shard, so every collective moves equal shapes) and
-``_to_token_order`` (stacked shards -> columns in token-id order, padding dropped). Every
+``_to_token_order`` (stacked shards -> columns in token-id order, padding dropped, using the
+layout's id ranges). Every
 strategy returns, for the rows it hands to this rank, exactly the logits of
 ``head.local_logits`` arranged in token order, so all strategies agree with each other bit for
 bit. Chunking (``max_rows``) changes how many rows are computed and moved at once, never values.
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
@@ -32,26 +32,19 @@ class ShardedLogits:
     rank: int
 
 
-@lru_cache(maxsize=32)
-def _columns(layout: VocabLayout) -> torch.Tensor | None:
-    """Token-order column index into padded stacked shards, or None when a slice suffices."""
-    columns = layout.gathered_columns()
-    return None if torch.equal(columns, torch.arange(layout.vocab_size)) else columns
-
-
 def _padded_local(head: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
     out = torch.empty(hidden.shape[0], head.layout.max_rows, dtype=torch.float32, device=hidden.device)
     return head.logits_into(hidden, out)
 
 
 def _to_token_order(stacked: torch.Tensor, layout: VocabLayout) -> torch.Tensor:
-    """``[n, B, max_rows]`` shards in rank order -> ``[B, vocab_size]`` in token order."""
-    n, rows, width = stacked.shape
-    flat = stacked.permute(1, 0, 2).reshape(rows, n * width)
-    columns = _columns(layout)
-    if columns is None:
-        return flat[:, : layout.vocab_size]
-    return flat.index_select(1, columns.to(flat.device))
+    """``[n, B, max_rows]`` shards in rank order -> ``[B, vocab_size]`` in token order, padding
+    dropped: one copy of each rank's base and added id range, so one pass over ``[B, V]``."""
+    out = stacked.new_empty(stacked.shape[1], layout.vocab_size)
+    for r, shard in enumerate(layout.shards):
+        for start, end, local in shard.ranges:
+            out[:, start:end] = stacked[r, :, local: local + end - start]
+    return out
 
 
 def _local_full(head: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:

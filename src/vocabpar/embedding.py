@@ -54,15 +54,16 @@ class VocabParallelEmbedding(VocabShardedMatrix):
         n = comm.world_size(self.group)
         if self.layout.scheme == "replicated" or n == 1:
             mode, packed = "none", self._local_rows(flat)
-        elif self.exchange == "all_reduce":  # needs no ownership counts
-            mode, packed = "all_reduce", None
         else:
-            owner = self.layout.owner(flat)
-            counts = torch.bincount(owner + 1, minlength=n + 1).tolist()  # [out of range, r0, ...]
-            costs = exchange_costs(counts[1:], flat.numel())
-            auto = "owner_gather" if costs["owner_gather"] < costs["all_reduce"] else "all_reduce"
-            mode = auto if self.exchange == "auto" else self.exchange
-            packed = self._owner_gather(flat, owner, counts) if mode == "owner_gather" else None
+            mode, packed = self.exchange, None
+            if mode != "all_reduce":  # ownership counts decide auto and shape the owner gather
+                owner = self.layout.owner(flat)
+                counts = torch.bincount(owner + 1, minlength=n + 1).tolist()  # [out of range, r0..]
+                if mode == "auto":
+                    costs = exchange_costs(counts[1:], flat.numel())
+                    mode = min(costs, key=costs.get)  # ties -> all_reduce (listed first)
+                if mode == "owner_gather":
+                    packed = self._owner_gather(flat, owner, counts)
         if mode == "all_reduce":
             packed = comm.all_reduce_exact(self._local_rows(flat), self.group)
         self.last_exchange = mode

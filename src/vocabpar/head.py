@@ -97,7 +97,7 @@ class ParallelLMHead(VocabShardedMatrix):
         if self.bias is None:
             raise ValueError("this head was built with bias=False")
         self._check_shape("bias", tuple(bias.shape), (self.layout.vocab_size,))
-        for start, end, local in self._row_ranges():
+        for start, end, local in self.shard.ranges:
             self.bias[local: local + end - start] = bias[start:end].float()
 
     def forward(self, *args: object, **kwargs: object) -> None:

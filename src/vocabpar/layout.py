@@ -54,6 +54,11 @@ class Shard:
     def rows(self) -> int:
         return self.org_rows + self.num_added + self.num_added_padding
 
+    @property
+    def ranges(self) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """``(global_start, global_end, local_start)`` of the base and the added ids stored."""
+        return (self.org_start, self.org_end, 0), (self.added_start, self.added_end, self.org_rows)
+
 
 def _round_up(x: int, quantum: int) -> int:
     return -(-x // quantum) * quantum
@@ -198,20 +203,6 @@ class VocabLayout:
         ids = torch.cat([self.local_token_ids(r) for r in range(self.world_size)])
         key = torch.where(ids >= 0, ids, self.vocab_size + torch.arange(ids.numel()))
         return torch.argsort(key)
-
-    def gathered_columns(self) -> torch.Tensor:
-        """Column of each token id (length ``vocab_size``) in the concatenation of all shards,
-        each padded to ``max_rows`` columns -- the shape equal-size collectives produce.
-        Replicated: ``arange(vocab_size)``."""
-        if self.scheme == "replicated":
-            return torch.arange(self.vocab_size)
-        ids = torch.cat([torch.cat([self.local_token_ids(r),
-                                    torch.full((self.max_rows - s.rows,), -1, dtype=torch.long)])
-                         for r, s in enumerate(self.shards)])
-        column_of = torch.empty(self.vocab_size, dtype=torch.long)
-        real = ids >= 0
-        column_of[ids[real]] = torch.nonzero(real).flatten()
-        return column_of
 
     def describe(self) -> dict:
         """Plain-data summary (used by the consistency handshake and the CLI)."""

@@ -104,11 +104,6 @@ class VocabShardedMatrix(nn.Module):
         return self.shard.rows
 
     # ------------------------------------------------------------------ loading
-    def _row_ranges(self) -> list[tuple[int, int, int]]:
-        """``(global_start, global_end, local_start)`` of the id ranges this rank stores."""
-        s = self.shard
-        return [(s.org_start, s.org_end, 0), (s.added_start, s.added_end, s.org_rows)]
-
     @torch.no_grad()
     def load_full_weight(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
         """Copy this rank's rows out of the full ``[vocab_size, dim]`` matrix. A quantized table
@@ -116,7 +111,7 @@ class VocabShardedMatrix(nn.Module):
         storage dtype with their full per-row ``scale`` ``[vocab_size]``."""
         self._check_shape("weight", tuple(weight.shape), (self.layout.vocab_size, self.dim))
         self._check_scale("scale", None if scale is None else tuple(scale.shape))
-        for start, end, local in self._row_ranges():
+        for start, end, local in self.shard.ranges:
             self._put(local, weight[start:end], None if scale is None else scale[start:end])
 
     @torch.no_grad()
@@ -131,7 +126,7 @@ class VocabShardedMatrix(nn.Module):
             self._check_shape(name, tuple(sliced.get_shape()), (self.layout.vocab_size, self.dim))
             scales = f.get_slice(scale_name) if scale_name else None
             self._check_scale(scale_name, None if scales is None else tuple(scales.get_shape()))
-            for start, end, local in self._row_ranges():
+            for start, end, local in self.shard.ranges:
                 self._put(local, sliced[start:end], scales[start:end] if scales is not None else None)
 
     def _check_scale(self, what: str | None, shape: tuple | None) -> None:
