@@ -23,9 +23,13 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/vocabpar demo
 
+# The bit-exactness tests run twice: with the kernels torch picks for this CPU, then with ATen's
+# portable kernels and MKL limited to AVX2, so a result that silently depends on the kernel set
+# fails here rather than on a user's machine.
 test: install
 	$(BIN)/ruff check src tests benchmarks scripts
 	$(BIN)/python -m pytest
+	ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=AVX2 $(BIN)/python -m pytest -m exact -q
 
 bench: install
 	$(BIN)/python benchmarks/bench_embedding.py

@@ -1,6 +1,10 @@
+import os
 import subprocess
 import sys
 
+import pytest
+
+from vocabpar import demo, launch
 from vocabpar.cli import main
 
 
@@ -29,3 +33,77 @@ def test_console_help_runs():
     assert done.returncode == 0
     for command in ("layout", "plan", "demo", "bench"):
         assert command in done.stdout
+
+
+def _one_line_error(capsys, command: str, *parts: str) -> None:
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured
+    assert captured.err.startswith(f"vocabpar {command}: error: ")
+    assert all(p in captured.err for p in parts), captured.err
+
+
+@pytest.mark.parametrize("flag,value", [("--ranks", "65537"), ("--ranks", "0"), ("--vocab", "2147483649"),
+                                        ("--vocab", "1e9"), ("--org-vocab", "-1"), ("--pad-to", "1048577"),
+                                        ("--pad-to", "nan")])
+def test_layout_numbers_out_of_range_exit_2(flag, value, capsys):
+    assert main(["layout", f"{flag}={value}"]) == 2
+    _one_line_error(capsys, "layout", f"argument {flag}: ", repr(value))
+
+
+def test_layout_ranks_upper_bound_is_accepted(capsys):
+    assert main(["layout", "--vocab", "1000", "--ranks", "65536", "--pad-to", "1", "--scheme", "uneven"]) == 0
+    assert "over 65536 ranks" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag,value", [("--ranks", "65"), ("--ranks", "0"), ("--batch", "257"),
+                                        ("--batch", "0"), ("--tokens", "121"), ("--tokens", "1"),
+                                        ("--tokens", "inf")])
+def test_demo_numbers_out_of_range_fail_before_spawning(flag, value, capsys, monkeypatch):
+    def spawn(*args, **kwargs):
+        raise AssertionError("the demo spawned ranks")
+    monkeypatch.setattr(launch, "run", spawn)
+    monkeypatch.setattr(demo, "run_demo", spawn)
+    assert main(["demo", f"{flag}={value}"]) == 2
+    _one_line_error(capsys, "demo", f"argument {flag}: ", repr(value))
+
+
+def test_run_demo_checks_its_limits_before_any_work(monkeypatch):
+    def spawn(*args, **kwargs):
+        raise AssertionError("the demo spawned ranks")
+    monkeypatch.setattr(launch, "run", spawn)
+    monkeypatch.setattr(demo, "build_model", spawn)
+    for kw in ({"ranks": demo.LIMITS["ranks"][1] + 1}, {"batch": 0}, {"tokens": 1000}, {"ranks": 2.0}):
+        with pytest.raises(ValueError, match=f"{next(iter(kw))} must be an int in"):
+            demo.run_demo(**kw)
+
+
+@pytest.mark.parametrize("flag,target,why", [("--out", "missing/report.md", "folder"),
+                                             ("--out", "folder", "is a folder"),
+                                             ("--out", "folder/", "is a folder"),
+                                             ("--plot", "missing/demo.png", "folder"),
+                                             ("--plot", "folder", "is a folder"),
+                                             ("--plot", "demo.pdf", "not a .png file name")])
+def test_bench_unwritable_outputs_fail_before_any_benchmark(flag, target, why, tmp_path, monkeypatch, capsys):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "bench_a.py").write_text("open('ran', 'w').close()\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--dir", ".", flag, target]) == 2
+    _one_line_error(capsys, "bench", f"argument {flag}: ", repr(target), why)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_bench_out_in_a_read_only_folder(tmp_path, capsys):
+    if os.geteuid() == 0:
+        pytest.skip("root writes anywhere")
+    (tmp_path / "ro").mkdir(mode=0o500)
+    assert main(["bench", "--dir", str(tmp_path), "--out", str(tmp_path / "ro" / "r.md")]) == 2
+    _one_line_error(capsys, "bench", "argument --out: ", "is not writable")
+
+
+def test_help_documents_the_ranges(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # no line breaks inside a range
+    for command, ranges in (("demo", ("[1, 64]", "[1, 256]", "[2, 120]")), ("layout", ("[1, 65536]",)),
+                            ("plan", ("[1, 65536]", "[1e-06, 1e+09]", "[0.001, 1e+12]"))):
+        assert main([command, "--help"]) == 0
+        out = capsys.readouterr().out
+        assert all(r in out for r in ranges), (command, out)

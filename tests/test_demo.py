@@ -66,6 +66,7 @@ def test_bench_writes_report_and_plots_the_demo_data(tmp_path, demo):
     fields = {f for f in Row.__dataclass_fields__}
     rows = [Row(**{k: v for k, v in r.items() if k in fields}) for r in data["rows"]]
     result = DemoResult(**{k: data[k] for k in DemoResult.__dataclass_fields__ if k != "rows"}, rows=rows)
-    png = tmp_path / "demo.png"
-    plot(result, str(png))
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for name in ("demo", "demo.png"):  # the path written comes back: ".png" added when missing
+        assert plot(result, str(tmp_path / name)) == str(tmp_path / "demo.png")
+    assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench_a.py", "demo.png", "report.md"]

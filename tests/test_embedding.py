@@ -53,6 +53,7 @@ def _exactness_sweep():
     return failures, sorted(modes)
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_bit_exact_against_full_table(n):
     for failures, modes in run(_exactness_sweep, n, timeout=120):
@@ -103,6 +104,10 @@ def _special_cases():
             odd.load_full_weight(float_table[:, :3])
             empty = odd(torch.empty(2, 0, dtype=torch.long))
             out[f"quant_empty_{qdtype}_{scheme}"] = empty.shape == (2, 0, 3)
+            q3, scale3 = quantize_rows(float_table[:, :3], qdtype)
+            for ids in (torch.tensor([5]), torch.tensor([999, 5])):  # one row: scale bytes at offset 3
+                want = F.embedding(ids, dequantize_rows(q3, scale3, torch.bfloat16))
+                out[f"quant_odd_{qdtype}_{scheme}_{ids.numel()}"] = same_bits(odd(ids), want)
     # replicated scheme: no collective at all
     comm.reset_traffic()
     emb = VocabParallelEmbedding(VocabLayout(1000, n, scheme="replicated"), 16, dtype=torch.bfloat16)
@@ -121,21 +126,47 @@ def _special_cases():
     return out
 
 
-@pytest.mark.parametrize("n", [1, 3])
-def test_special_cases(n):
-    layout = VocabLayout(1024, n, pad_to=1)
-    for out in run(_special_cases, n):
-        assert out["zero_all_reduce"] and out["zero_owner_gather"]
+@pytest.fixture(scope="module", params=[1, 3])
+def special(request):
+    """One launch per world size shared by the named checks below."""
+    return request.param, run(_special_cases, request.param)
+
+
+def test_out_of_range_ids_become_zero_rows_in_zero_mode(special):
+    assert all(out["zero_all_reduce"] and out["zero_owner_gather"] for out in special[1])
+
+
+def test_error_mode_names_count_and_positions(special):
+    for out in special[1]:
         assert out["oob"].startswith("ValueError: 3 token id(s) outside [0, 1000)")
         assert "(0, 1)=-1" in out["oob"] and "(1, 0)=1000" in out["oob"] and "(1, 2)=123456" in out["oob"]
+
+
+def test_non_integer_ids_are_type_errors_and_state_survives(special):
+    for out in special[1]:
         assert out["float"].startswith("TypeError: ids must be int32 or int64")
         assert out["int16"].startswith("TypeError") and out["list"].startswith("TypeError")
         assert out["after_errors"]
-        assert all(v for k, v in out.items() if k.startswith("quant_")), out
-        assert out["replicated_traffic"] == (0, 0)
-        largest = max(s.num_org for s in layout.shards)
-        assert out["owner_gather_bytes"] == ((n - 1) * largest * 32,) * 2
-        assert out["strided"][0] == 16  # 7 fp16 = 14 B rows stored 32 B apart
+
+
+def test_quantized_tables_equal_dequantize_then_lookup(special):
+    for out in special[1]:
+        quant = {k: v for k, v in out.items() if k.startswith("quant_")}
+        assert quant and all(quant.values()), quant
+
+
+def test_replicated_scheme_sends_nothing(special):
+    assert all(out["replicated_traffic"] == (0, 0) for out in special[1])
+
+
+def test_owner_gather_bytes_match_cost_model(special):
+    n, outs = special
+    largest = max(s.num_org for s in VocabLayout(1024, n, pad_to=1).shards)
+    assert all(out["owner_gather_bytes"] == ((n - 1) * largest * 32,) * 2 for out in outs)
+
+
+def test_rows_are_stored_strided(special):
+    assert all(out["strided"][0] == 16 for out in special[1])  # 7 fp16 = 14 B rows stored 32 B apart
 
 
 def _mismatched(vocab_by_rank):
@@ -176,6 +207,11 @@ def test_local_construction_errors():
         quantized.load_full_weight(torch.zeros(100, 8, dtype=torch.int8))
     with pytest.raises(ValueError, match=r"expected shape \(100,\)"):
         quantized.load_full_weight(torch.zeros(100, 8, dtype=torch.int8), torch.ones(99))
+    for bad in (float("nan"), float("inf")):
+        weight = torch.ones(100, 8)
+        weight[42, 3] = bad
+        with pytest.raises(ValueError, match="cannot quantize: row 42 holds non-finite values"):
+            quantized.load_full_weight(weight)
 
 
 def test_safetensors_loading_reads_only_own_rows(tmp_path):
@@ -192,8 +228,19 @@ def test_safetensors_loading_reads_only_own_rows(tmp_path):
     with pytest.raises(KeyError, match="'missing' not in"):
         emb.load_safetensors(path, "missing")
     save_file({"embed": table[:1000]}, path)
-    with pytest.raises(ValueError, match="expected shape"):
+    with pytest.raises(ValueError, match="expected shape") as info:
         emb.load_safetensors(path, "embed")
+    assert path in str(info.value)
+    missing = str(tmp_path / "nowhere.safetensors")
+    with pytest.raises(ValueError, match=f"cannot read safetensors file {missing}"):
+        emb.load_safetensors(missing, "embed")
+    corrupt = tmp_path / "corrupt.safetensors"
+    corrupt.write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match=f"cannot read safetensors file {corrupt}"):
+        emb.load_safetensors(str(corrupt), "embed")
+    quantized = VocabParallelEmbedding(layout, 6, dtype=torch.int8, quantized=True)
+    with pytest.raises(KeyError, match=f"'no_scale' not in {path}"):
+        quantized.load_safetensors(path, "embed", scale_name="no_scale")
 
 
 def test_exchange_cost_model_prefers_all_reduce_under_skew():

@@ -76,6 +76,7 @@ def _match(got, want, exact):
                                                                        rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_every_strategy_matches_reference_bit_for_bit_in_deterministic_mode(n):
     assert run(_collect_sweep, n, True, timeout=120) == [[]] * n
@@ -137,35 +138,67 @@ def _features_and_traffic():
     out["errors"] = errors
     import torch.distributed as dist
     world = compute_logits(plain, hidden, strategy="all_gather", group=dist.group.WORLD)
-    out["world_handle"] = torch.equal(world, compute_logits(plain, hidden, strategy="all_gather"))
-    out["after"] = torch.equal(compute_logits(plain, hidden, strategy="all_gather"),
-                               compute_logits(plain, hidden, strategy="all_gather", max_rows=7))
+    # fast mode: another chunking or group handle agrees to FP32 rounding (BLAS picks kernels by shape)
+    once = compute_logits(plain, hidden, strategy="all_gather")
+    out["world_handle"] = _match(world, once, exact=False)
+    chunked = compute_logits(plain, hidden, strategy="all_gather", max_rows=7)
+    out["chunked"] = _match(chunked, once, exact=False)
     return out
 
 
-def test_features_traffic_and_errors():
-    n = 4
-    layout = VocabLayout(1000, n)
-    width = layout.max_rows * 4
-    for me, out in enumerate(run(_features_and_traffic, n)):
-        assert out["features"] and out["stride"]
+N_FEATURES = 4
+
+
+@pytest.fixture(scope="module")
+def features():
+    """One 4-rank launch shared by the named checks below."""
+    return run(_features_and_traffic, N_FEATURES)
+
+
+def test_bias_softcap_scale_and_aligned_stride(features):
+    assert all(out["features"] and out["stride"] for out in features)
+
+
+def test_collection_bytes_per_strategy(features):
+    n = N_FEATURES
+    width = VocabLayout(1000, n).max_rows * 4
+    for me, out in enumerate(features):
         traffic = out["traffic"]
         assert traffic["all_gather"] == ((n - 1) * 24 * width,) * 2
         assert traffic["gather"] == ((0, (n - 1) * 24 * width) if me == 0 else (24 * width, 0))
         assert traffic["all_to_all"] == ((n - 1) * 6 * width,) * 2
         assert traffic["none"] == (0, 0)
-        assert out["broadcast"] == run_argmax_reference()
+
+
+def test_gather_then_broadcast_tokens(features):
+    assert all(out["broadcast"] == run_argmax_reference() for out in features)
+
+
+def test_empty_batches(features):
+    for me, out in enumerate(features):
         assert out["empty"] == [(0, 1000), (0, 1000)]
         assert out["empty_dp"] == ((0, 1000) if me % 2 else (2, 1000))
-        errors = out["errors"]
-        assert "hidden size 15 does not match the head's 16" in errors["hidden_size"]
-        assert "all_to_all splits rows into 4 equal blocks, but there are 9 rows" in errors["indivisible"]
-        assert "unknown strategy 'scatter'" in errors["unknown"]
-        assert ("rank(s) [3] passed invalid hidden states" in errors["dp_one_rank_bad"]
-                or "does not match" in errors["dp_one_rank_bad"])
-        assert "not a layer" in errors["call_as_layer"]
-        assert "max_rows must be a positive int" in errors["max_rows"]
-        assert out["after"] and out["world_handle"]
+
+
+@pytest.mark.parametrize("name,message", [
+    ("hidden_size", "hidden size 15 does not match the head's 16"),
+    ("indivisible", "all_to_all splits rows into 4 equal blocks, but there are 9 rows"),
+    ("unknown", "unknown strategy 'scatter'"),
+    ("call_as_layer", "not a layer"),
+    ("max_rows", "max_rows must be a positive int"),
+])
+def test_bad_input_is_rejected_on_every_rank(features, name, message):
+    assert all(message in out["errors"][name] for out in features)
+
+
+def test_dp_bad_input_on_one_rank_fails_every_rank(features):
+    for me, out in enumerate(features):
+        expected = "does not match" if me == N_FEATURES - 1 else "rank(s) [3] rejected their input"
+        assert expected in out["errors"]["dp_one_rank_bad"]
+
+
+def test_world_handle_and_chunking_agree_after_errors(features):
+    assert all(out["world_handle"] and out["chunked"] for out in features)
 
 
 def run_argmax_reference():

@@ -98,3 +98,104 @@ def test_invalid_pad_token_id_falls_back_to_a_valid_id():
     assert pad_id(model.config) == 0
     greedy = hf_generate(build_model("llama"), PROMPTS, 2)
     assert parallelize(model).generate(PROMPTS, None, 2).tokens == greedy
+
+
+# tokens the tiny GPT-2 favours, so that a penalty over the prompt changes its greedy path; one
+# length, so no padding (transformers would penalise the pad token too)
+REPEAT_PROMPTS = [[1426, 45364, 40092, 33040, 36264], [9188, 14440, 12760, 35782, 37934],
+                  [14440, 23878, 22104, 40426, 14215], [9188, 30481, 25500, 37051, 8571]]
+REPEAT_TOKENS = 8
+PENALTY = 1.8
+
+
+def _repetition_penalty_generate():
+    """This rank's greedy tokens with the repetition penalty, through both samplers."""
+    params = SamplingParams(temperature=0, repetition_penalty=PENALTY)
+    return {collect: parallelize(build_model("gpt2"), collect=collect).generate(REPEAT_PROMPTS, params,
+                                                                                REPEAT_TOKENS).tokens
+            for collect in ("none", "all_gather")}
+
+
+def test_repetition_penalty_over_the_prompt_matches_transformers():
+    """Greedy with ``repetition_penalty`` gives transformers' tokens exactly at 1 and 2 ranks; the
+    prompts are chosen so that penalising the generated tokens only would not."""
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    model = build_model("gpt2")
+    ids = torch.tensor(REPEAT_PROMPTS)
+
+    def hf(**kw):
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=REPEAT_TOKENS, do_sample=False, pad_token_id=0, **kw)
+        return out[:, ids.shape[1]:].tolist()
+
+    want = hf(repetition_penalty=PENALTY)
+    generated_only = hf(logits_processor=LogitsProcessorList(
+        [RepetitionPenaltyLogitsProcessor(PENALTY, prompt_ignore_length=ids.shape[1])]))
+    assert want != generated_only and want != hf()
+    for per_rank in [_repetition_penalty_generate(), *run(_repetition_penalty_generate, 2, timeout=120)]:
+        assert per_rank == {"none": want, "all_gather": want}
+
+
+@pytest.mark.parametrize("prompts,index", [([[1, 2], [3, 3.5]], 1), ([[True, 2]], 0), ([[1], "ab"], 1),
+                                           ([[1, 2], [3], [4, "5"]], 2), ([[1], 7], 1),
+                                           ([[1], torch.tensor([2.0, 3.0])], 1), ([[1], [-1]], 1),
+                                           ([[50257]], 0)])
+def test_prompts_with_non_integer_or_out_of_range_ids_are_rejected(prompts, index, gpt2):
+    from vocabpar.integrations.hf import left_pad
+
+    with pytest.raises(ValueError, match=f"prompt {index}"):
+        left_pad(prompts, 0, 50257)
+    with pytest.raises(ValueError, match=f"prompt {index}"):
+        reference_generate(gpt2, prompts, None, 1)
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return build_model("gpt2")
+
+
+SCORED = torch.tensor([[5, 17, 300, 42, 9, 11, 12], [7, 8, 9, 10, 11, 12, 13]])
+
+
+def _score_and_prompt_logprobs(name):
+    lm = parallelize(build_model(name), collect="none", scheme="uneven")
+    scores = lm.score(SCORED, top_n=3, max_rows=5)  # several chunks of 5 hidden rows
+    prompts = [p[: 2 + 2 * b] for b, p in enumerate(PROMPTS)]
+    g = lm.generate(prompts, None, 2, prompt_logprobs=2)
+    return scores, [(p.logprobs, p.top_ids) for p in g.prompt_logprobs], g.tokens
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_score_and_prompt_logprobs_match_the_unparallelised_model(n):
+    """``lm.score`` and ``generate(prompt_logprobs=)`` equal ``log_softmax`` of transformers'
+    own logits (within 1e-4; ranks and top ids exactly where no near-ties) at 2 and 3 ranks."""
+    name = "llama"
+    model = build_model(name)
+    with torch.inference_mode():
+        logp = torch.log_softmax(model(SCORED).logits[:, :-1].double(), -1)
+    want = logp.gather(2, SCORED[:, 1:, None])[..., 0]
+    for scores, prompt_scores, tokens in run(_score_and_prompt_logprobs, n, name, timeout=120):
+        assert scores.logprobs.shape == (2, 6) and scores.top_ids.shape == (2, 6, 3)
+        assert (scores.logprobs.double() - want).abs().max() < 1e-4
+        assert torch.equal(scores.top_ids, logp.topk(3, -1).indices)
+        assert (scores.top_logprobs.double() - logp.topk(3, -1).values).abs().max() < 1e-4
+        assert torch.equal(scores.ranks, 1 + (logp > want[..., None]).sum(-1))
+        prompts = [p[: 2 + 2 * b] for b, p in enumerate(PROMPTS)]
+        for p, (lp, top) in zip(prompts, prompt_scores):
+            ids = torch.tensor([p])
+            with torch.inference_mode():
+                ref = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
+            assert lp.shape == (len(p) - 1,) and top.shape == (len(p) - 1, 2)
+            assert (lp.double() - ref.gather(1, ids[0, 1:, None])[:, 0]).abs().max() < 1e-4
+        assert tokens == hf_generate(model, prompts, 2)
+
+
+def test_score_rejects_bad_input():
+    lm = parallelize(build_model("gpt2"))
+    for bad in (torch.tensor([[1]]), torch.tensor([1, 2, 3]), torch.tensor([[1.0, 2.0]]), [[1, 2]]):
+        with pytest.raises(ValueError, match="input_ids must be an int64"):
+            lm.score(bad)
+    with pytest.raises(ValueError, match="outside"):
+        lm.score(torch.tensor([[1, 60000]]))

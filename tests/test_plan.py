@@ -128,7 +128,7 @@ def test_other_preset_per_design():
     rows = 152064 // 8
     assert c["vllm-all-gather"].collection_bytes == 7 * 64 * rows * 4
     assert c["sglang-all-to-all"].collection_bytes == 7 * 8 * rows * 4
-    assert c["sglang-dp-gather-scatter"].hidden_gather_bytes == 7 * (8 + 8 * 3584 * 2)
+    assert c["sglang-dp-gather-scatter"].hidden_gather_bytes == 7 * (24 + 8 * 3584 * 2)
     assert c["vocabpar-sharded"].collection_bytes == 7 * 64 * 16
     assert c["vocabpar-sharded"].embedding_bytes == 7 * 13 * 3584 * 2  # (n-1)·ceil(T/n)·H·b
     assert c["deepinfer-replicated"].head_flops == 2 * 8 * 152064 * 3584  # own 8 rows, full vocab
@@ -152,7 +152,8 @@ def test_empty_batch_and_single_rank():
 
 def test_workload_validation():
     for bad in ({"vocab": -5}, {"hidden": 0}, {"ranks": 0}, {"batch": -1}, {"dp": 3},
-                {"bandwidth": 0}, {"pad_to": 0}):
+                {"bandwidth": 0}, {"pad_to": 0}, {"kv_bytes_per_token": 1e-300}, {"flops": 1e300},
+                {"bandwidth": math.nan}, {"vocab": 2**40}, {"ranks": 2**17}):
         with pytest.raises(ValueError):
             replace(P.STUDY, **bad)
     with pytest.raises(ValueError, match="unknown dtype"):
@@ -171,8 +172,18 @@ def test_recommendation_trades_memory_for_latency():
     assert tight.design == "vocabpar-sharded"
     assert "deepinfer-replicated would take" in tight.reason and "headroom" in tight.reason
     assert P.recommend(P.plan(P.STUDY)).design == "vocabpar-sharded"  # attention TP: no free rows
-    with pytest.raises(ValueError, match="headroom"):
-        P.recommend(dp, headroom_bytes=-1)
+    for bad in (-1, math.inf, math.nan, 1e300):
+        with pytest.raises(ValueError, match="headroom"):
+            P.recommend(dp, headroom_bytes=bad)
+
+
+def test_recommendation_when_nothing_fits():
+    """A 1-token vocabulary padded over many ranks: llama.cpp (one device) is the leanest, and no
+    multi-rank design fits a zero headroom."""
+    costs = P.plan(replace(P.STUDY, vocab=1, ranks=4096, pad_to=4095))
+    with pytest.raises(ValueError, match="no 4096-rank design fits a headroom of 0 B.*than llama.cpp"):
+        P.recommend(costs, headroom_bytes=0)
+    assert P.recommend(costs).design
 
 
 # ---------------------------------------------------------------------- CLI
@@ -197,9 +208,26 @@ def test_cli_json_base_units(capsys):
     assert {"quantity", "value", "unit", "study", "text", "agrees"} <= set(study[0])
 
 
-@pytest.mark.parametrize("argv", [["--vocab", "-5"], ["--hidden", "0"], ["--ranks", "0"],
-                                  ["--preset", "nope"], ["--batch", "-1"], ["--weight-dtype", "fp7"],
-                                  ["--dp", "3"], ["--headroom", "-1"], ["--bandwidth", "-3"]])
+EXTREMES = [(flag, value) for flag in ("--bandwidth", "--flops", "--kv-bytes-per-token", "--headroom")
+            for value in ("1e300", "nan", "inf", "-inf", "-1", "-1e-300", "x")]
+EXTREMES += [(flag, "1e-300") for flag in ("--bandwidth", "--flops", "--kv-bytes-per-token")]
+EXTREMES += [(flag, value) for flag in ("--vocab", "--hidden", "--ranks", "--dp", "--batch", "--tokens",
+                                        "--pad-to") for value in ("-1", "1e3", "1.5", "9" * 30)]
+EXTREMES += [("--vocab", "0"), ("--hidden", "0"), ("--ranks", "0"), ("--dp", "0"), ("--pad-to", "0"),
+             ("--ranks", "65537"), ("--bandwidth", "0"), ("--flops", "0"), ("--kv-bytes-per-token", "0")]
+
+
+@pytest.mark.parametrize("flag,value", EXTREMES)
+def test_cli_rejects_out_of_range_numbers(flag, value, capsys):
+    """Every numeric option: one line naming the option and the value, exit 2, nothing on stdout."""
+    assert main(["plan", "--json", f"{flag}={value}"]) == 2  # "=": argparse reads "-inf" as an option
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith(f"vocabpar plan: error: argument {flag}: ") and repr(value) in captured.err
+
+
+@pytest.mark.parametrize("argv", [["--preset", "nope"], ["--weight-dtype", "fp7"], ["--dp", "3"],
+                                  ["--vocab", "1", "--ranks", "4096", "--pad-to", "4095", "--headroom", "0"]])
 def test_cli_bad_input(argv, capsys):
     assert main(["plan", *argv]) == 2
     captured = capsys.readouterr()
@@ -207,9 +235,56 @@ def test_cli_bad_input(argv, capsys):
     assert captured.err.startswith("vocabpar plan: error: ") and captured.err.count("\n") == 1
 
 
-def test_cli_plot(tmp_path, capsys):
+def _strict_json(text: str) -> dict:
+    """Parse ``text`` rejecting NaN and Infinity, and check it re-serializes strictly."""
+    def refuse(name: str) -> None:
+        raise ValueError(f"non-finite JSON constant {name}")
+    data = json.loads(text, parse_constant=refuse)
+    json.dumps(data, allow_nan=False)
+    return data
+
+
+@pytest.mark.parametrize("end", [0, 1])
+def test_cli_json_stays_finite_at_the_limits(end, capsys):
+    """Every size at its lowest or highest accepted value, over the slowest links and compute:
+    strict JSON, finite numbers."""
+    sizes = {"--vocab": "vocab", "--hidden": "hidden", "--ranks": "ranks", "--batch": "batch",
+             "--tokens": "tokens", "--pad-to": "pad_to", "--kv-bytes-per-token": "kv_bytes_per_token"}
+    argv = [x for flag, name in sizes.items() for x in (flag, str(P.LIMITS[name][end]))]
+    argv += ["--bandwidth", "1e-6", "--flops", "1e-6", "--headroom", "1e6", "--logits-dtype", "fp32"]
+    assert main(["plan", "--json", *argv]) == 0, capsys.readouterr().err
+    data = _strict_json(capsys.readouterr().out)
+    assert all(math.isfinite(d["step_time_s"]) and d["kv_tokens"] >= 0 for d in data["designs"])
+    assert main(["plan", *argv]) == 0 and "inf" not in capsys.readouterr().out.replace("deepinfer", "")
+
+
+@pytest.mark.parametrize("name,written", [("out", "out.png"), ("out.png", "out.png"), ("a.b", None),
+                                          ("out.pdf", None)])
+def test_cli_plot_reports_the_file_written(name, written, tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    out = tmp_path / "out.png"
-    assert main(["plan", "--plot", str(out), "--json"]) == 0
-    json.loads(capsys.readouterr().out)  # the plot message goes to stderr
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["plan", "--plot", str(tmp_path / name), "--json"]) == (0 if written else 2)
+    captured = capsys.readouterr()
+    if not written:
+        assert captured.out == "" and captured.err.count("\n") == 1 and "--plot" in captured.err
+        assert list(tmp_path.iterdir()) == []
+        return
+    _strict_json(captured.out)  # the plot message goes to stderr
+    assert captured.err == f"wrote {tmp_path / written}\n"
+    assert [p.name for p in tmp_path.iterdir()] == [written]
+    assert (tmp_path / written).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_png_path():
+    assert (P.png_path("a"), P.png_path("d/a.png"), P.png_path("A.PNG")) == ("a.png", "d/a.png", "A.PNG")
+    for bad in ("a.pdf", "", "d/", ".", "a."):
+        with pytest.raises(ValueError, match="not a .png file name"):
+            P.png_path(bad)
+
+
+@pytest.mark.parametrize("argv", [["--plot", "."], ["--plot", "missing/out.png"]])
+def test_cli_plot_unwritable(argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert f"argument --plot: cannot write {argv[1]!r}" in captured.err

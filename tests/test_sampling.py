@@ -3,6 +3,7 @@
 One launch per world size runs every case under every layout scheme; the main process compares
 each rank's output with ``reference_sample`` on the full logits."""
 
+import dataclasses
 import math
 
 import pytest
@@ -12,6 +13,8 @@ from vocabpar import SamplingParams, VocabLayout, comm, reference_sample, sample
 from vocabpar.launch import LaunchError, run
 from vocabpar.sampling import TokenCounts
 from vocabpar.sampling.noise import gumbel, row_keys
+from vocabpar.sampling.reference import kept_tokens
+from vocabpar.sampling.semantics import penalise
 
 
 def _layouts(V: int, org: int, n: int) -> list[VocabLayout]:
@@ -36,6 +39,36 @@ def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
     bits[:, :V] = allowed.long()
     packed = (bits.view(B, words, 32) << torch.arange(32)).sum(-1)
     return torch.where(packed >= 2**31, packed - 2**32, packed).int()
+
+
+def _order_rows() -> tuple[torch.Tensor, SamplingParams]:
+    """Rows on which the filter orders keep different sets: min-p removes much of the top-p pool
+    (most rows: four head tokens above a tail that fails min-p but holds most of the mass). Each
+    row comes 8 times (at different positions, hence different noise), so that a wrong kept set
+    shows in the sampled tokens."""
+    g = torch.Generator().manual_seed(99)
+    V = 1000
+
+    def head_and_tail(lo: float, hi: float) -> torch.Tensor:
+        x = torch.rand(V, generator=g) * (hi - lo) + lo
+        x[torch.randperm(V, generator=g)[:4]] = torch.tensor([0.0, -0.5, -1.0, -1.5])
+        return x
+
+    rows = torch.stack(8 * [
+        head_and_tail(-3.5, -2.5),  # unsent tokens all fail min-p: the candidates hold the vLLM pool
+        head_and_tail(-3.5, -2.5),  # top-k beyond the candidates (radix select)
+        torch.randn(V, generator=g) * 0.05,  # flat: min-p keeps about half, top-p by radix select
+        torch.randn(V, generator=g) * 3,  # peaked
+        head_and_tail(-3.5, -2.5),  # small top-k holding two tail tokens
+        head_and_tail(-6.0, -2.0),  # temperature 2: part of the tail passes min-p
+    ])
+    params = SamplingParams(temperature=8 * [1, 1, 1, 0.9, 1, 2], top_k=8 * [0, 600, 0, 0, 6, -1],
+                            top_p=8 * [0.5, 0.5, 0.3, 0.6, 0.7, 0.5],
+                            min_p=8 * [0.1, 0.1, 0.85, 0.02, 0.1, 0.25], seed=7, logprobs=2)
+    return rows, params
+
+
+ORDER_ROWS, ORDER_PARAMS = _order_rows()
 
 
 def _cases() -> list[dict]:
@@ -111,7 +144,7 @@ def _cases() -> list[dict]:
             top_k=[0, 5, 0, 0, 3],
             logprobs=3,
         ),
-        token_counts=TokenCounts.from_history(hist),
+        token_counts=TokenCounts.from_history(hist, [[3, 9, 9], [2, 5], [], [7, 8], [36, 0]]),
     )
     allow = torch.rand(6, 100, generator=g) < 0.3
     allow[0] = False
@@ -160,6 +193,24 @@ def _cases() -> list[dict]:
         ),
         positions=torch.randint(0, 2**40, (B,), generator=g),
     )
+    for order in ("hf", "vllm"):
+        add(f"order_{order}", ORDER_ROWS, org=990,
+            params=dataclasses.replace(ORDER_PARAMS, filter_order=order))
+    huge = torch.randn(4, 37, generator=g)
+    huge[0, [3, 30]] = 1e16  # two tokens share all the mass
+    huge[1] = -1e16  # uniform
+    huge[2] = 1e16
+    huge[2, 5] = -1e16  # uniform over the other 36
+    huge[3] *= 1e16  # the max takes all the mass
+    add("huge", huge, org=31,
+        params=SamplingParams(temperature=[1, 0.8, 0, 1.3], top_p=[1, 0.9, 1, 0.5], logprobs=3),
+        # the chosen token's logprob whichever token each row samples, and the first top logprobs
+        logprob=torch.tensor([-math.log(2), -math.log(37), -math.log(36), 0.0]),
+        top_logprobs=[[-math.log(2)] * 2, [-math.log(37)] * 3, [-math.log(36)] * 3, [0.0]])
+    # per-row logprob counts (None: none for that row), raw and processed
+    for of in ("raw", "processed"):
+        add(f"logprobs_per_row_{of}", torch.randn(8, 37, generator=g) * 2, org=30,
+            params=dataclasses.replace(mixed, logprobs=[None, 0, 3, 1, None, 5, 2, 4], logprobs_of=of))
     return cases
 
 
@@ -201,22 +252,40 @@ def _reference(case):
     )
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_sharded_equals_reference(n):
-    results = run(_sample_all, n, CASES)
-    for case in CASES:
-        ref = _reference(case)
-        for scheme in ("padded", "uneven", "replicated"):
-            for rank, per_rank in enumerate(results):
-                got, (sent, _) = per_rank[case["name"], scheme]
-                where = f"{case['name']} {scheme} rank {rank}/{n}"
-                assert torch.equal(got.tokens, ref.tokens), f"{where}: {got.tokens} != {ref.tokens}"
-                if ref.logprob is not None:
-                    assert torch.equal(got.top_ids, ref.top_ids), where
-                    assert torch.allclose(got.logprob, ref.logprob, atol=1e-5), where
-                    assert torch.allclose(got.top_logprobs, ref.top_logprobs, atol=1e-5), where
-                if scheme == "replicated" or n == 1:
-                    assert sent == 0, where
+@pytest.fixture(scope="module", params=[1, 2, 3, 4])
+def sharded(request):
+    """One launch per world size runs every case; each case is then its own named test."""
+    return request.param, run(_sample_all, request.param, CASES)
+
+
+@pytest.mark.exact
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_sharded_equals_reference(sharded, case):
+    n, results = sharded
+    ref = _reference(case)
+    for scheme in ("padded", "uneven", "replicated"):
+        for rank, per_rank in enumerate(results):
+            got, (sent, _) = per_rank[case["name"], scheme]
+            where = f"{case['name']} {scheme} rank {rank}/{n}"
+            assert torch.equal(got.tokens, ref.tokens), f"{where}: {got.tokens} != {ref.tokens}"
+            if ref.logprob is not None:
+                assert torch.equal(got.top_ids, ref.top_ids), where
+                assert torch.equal(got.rank, ref.rank), where
+                assert torch.allclose(got.logprob, ref.logprob, atol=1e-5, equal_nan=True), where
+                assert torch.allclose(got.top_logprobs, ref.top_logprobs, atol=1e-5, equal_nan=True), where
+            if "logprob" in case:
+                _assert_logprobs(got, case, where)
+            if scheme == "replicated" or n == 1:
+                assert sent == 0, where
+    if "logprob" in case:
+        _assert_logprobs(ref, case, f"{case['name']} reference")
+
+
+def _assert_logprobs(out, case, where: str) -> None:
+    """The case's expected logprobs, to 1e-6 (float32 rounding of the float64 results)."""
+    torch.testing.assert_close(out.logprob, case["logprob"], rtol=0, atol=1e-6, msg=where)
+    for row, want in zip(out.top_logprobs, case["top_logprobs"]):
+        torch.testing.assert_close(row[: len(want)], torch.tensor(want), rtol=0, atol=1e-6, msg=where)
 
 
 def test_greedy_is_one_small_all_gather():
@@ -316,6 +385,7 @@ def _wrong_world():
     )
 
 
+@pytest.mark.exact
 def test_noise_is_independent_of_tensor_position():
     keys = row_keys(torch.tensor([3, 2**50]), torch.tensor([11, 0]))
     ids = torch.arange(5000)
@@ -415,3 +485,171 @@ def test_empty_batch_matches_reference_with_logprobs():
     want = reference_sample(torch.empty(0, 10), params, positions=positions)
     for a, b in ((got.tokens, want.tokens), (got.top_ids, want.top_ids), (got.logprob, want.logprob)):
         assert a.shape == b.shape and a.dtype == b.dtype
+
+
+def test_filter_orders_keep_different_sets_on_the_order_rows():
+    """The rows that the sharded tests run under both orders really tell the orders apart (vLLM's
+    keeps a subset: its top-p pool is smaller)."""
+    V = ORDER_ROWS.shape[1]
+    hf, vllm = (dataclasses.replace(ORDER_PARAMS, filter_order=order).resolve(len(ORDER_ROWS), V)
+                for order in ("hf", "vllm"))
+    for b, x in enumerate(ORDER_ROWS):
+        kept_hf, kept_vllm = kept_tokens(x, hf, b), kept_tokens(x, vllm, b)
+        assert kept_vllm.sum() < kept_hf.sum() and not (kept_vllm & ~kept_hf).any(), b
+
+
+def _hf_kept(x: torch.Tensor, t: float, k: int, p: float, min_p: float) -> torch.Tensor:
+    """transformers' own warpers, in generate's order."""
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    scores = TemperatureLogitsWarper(t)(None, x[None].clone())
+    if k > 0:
+        scores = TopKLogitsWarper(k)(None, scores)
+    if p < 1:
+        scores = TopPLogitsWarper(p)(None, scores)
+    if min_p > 0:
+        scores = MinPLogitsWarper(min_p)(None, scores)
+    return scores[0] != float("-inf")
+
+
+def _vllm_kept(x: torch.Tensor, t: float, k: int, p: float, min_p: float) -> torch.Tensor:
+    """vLLM's order, float32: min-p on the softmax, then top-k, then top-p removing the tokens whose
+    ascending cumulative probability is <= 1 - p (keeping at least the largest)."""
+    z = x / t
+    probs = z.softmax(0)
+    z = z.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    if k > 0:
+        z = z.masked_fill(z < z.sort(descending=True).values[k - 1], float("-inf"))
+    if p < 1:
+        ascending, order = z.sort()
+        remove = ascending.softmax(0).cumsum(0) <= 1 - p
+        remove[-1] = False
+        z = z.masked_fill(torch.zeros_like(remove).scatter(0, order, remove), float("-inf"))
+    return z != float("-inf")
+
+
+def _near_boundary(x: torch.Tensor, t: float, k: int, p: float, min_p: float, order: str) -> bool:
+    """Whether float32 rounding could decide the row: two tokens with one float32 ``x / t``, a
+    probability ratio within 1e-5 (relative) of min_p, or a top-p cumulative mass within 1e-5 of
+    1 - p (computed here in float64)."""
+    z = x.double() / t
+    ratio = (z - z.max()).exp()
+    pool = z >= (z.sort(descending=True).values[k - 1] if k > 0 else -math.inf)
+    if order == "vllm":
+        pool &= ratio >= min_p
+    w = torch.where(pool, ratio, 0.0)
+    cum = w.sort().values.cumsum(0) / w.sum()
+    return bool((x / t).unique().numel() < x.numel()
+                or (min_p > 0 and ((ratio - min_p).abs() < 1e-5 * min_p).any())
+                or (p < 1 and ((cum - (1 - p)).abs() < 1e-5).any()))
+
+
+def test_kept_tokens_match_transformers_warpers_and_vllm_order():
+    """``kept_tokens`` equals transformers' warpers (``"hf"``) and a vLLM-style filter (``"vllm"``)
+    on random rows with distinct values and random parameters, except rows where float32
+    rounding could decide a boundary (:func:`_near_boundary`; at most 5%)."""
+    pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(5)
+    B, V = 400, 128
+    x = torch.randn(B, V, generator=g) * (torch.rand(B, 1, generator=g) * 3.5 + 0.5)
+    assert all(row.unique().numel() == V for row in x)
+    t = (torch.rand(B, generator=g) * 1.7 + 0.3).tolist()
+    k = torch.where(torch.rand(B, generator=g) < 1 / 3, 0, torch.randint(1, V, (B,), generator=g)).tolist()
+    p = torch.where(torch.rand(B, generator=g) < 0.25, 1.0, torch.rand(B, generator=g) * 0.95 + 0.05).tolist()
+    min_p = torch.where(torch.rand(B, generator=g) < 0.25, 0.0, torch.rand(B, generator=g) * 0.3).tolist()
+    kept = {}
+    for order, oracle in (("hf", _hf_kept), ("vllm", _vllm_kept)):
+        rows = SamplingParams(temperature=t, top_k=k, top_p=p, min_p=min_p, filter_order=order).resolve(B, V)
+        kept[order] = [kept_tokens(x[b], rows, b) for b in range(B)]
+        decided = [b for b in range(B) if not _near_boundary(x[b], t[b], k[b], p[b], min_p[b], order)]
+        assert len(decided) >= 0.95 * B, order
+        for b in decided:
+            assert torch.equal(kept[order][b], oracle(x[b], t[b], k[b], p[b], min_p[b])), (order, b)
+    assert any(not torch.equal(a, b) for a, b in zip(kept["hf"], kept["vllm"]))
+
+
+def test_penalties_repetition_over_prompt_presence_and_frequency_over_output():
+    """Token 1 only in the prompt, 2 only generated (twice), 3 in both, 4 in neither."""
+    x = torch.tensor([[1.0, 2.0, -2.0, 3.0, 4.0]])
+    counts = TokenCounts.from_history([[2, 3, 2]], prompts=[[1, 3, 1]])
+    assert counts.ids.tolist() == [[1, 2, 3]] and counts.counts.tolist() == [[0, 2, 1]]
+    assert counts.in_prompt.tolist() == [[True, False, True]]
+    rows = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25).resolve(1, 5)
+    got = penalise(x, counts.ids, counts.ids >= 0, counts, rows)
+    want = torch.tensor([[1.0, 2.0 / 2, -2.0 * 2 - 0.5 - 2 * 0.25, 3.0 / 2 - 0.5 - 0.25, 4.0]])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    without_prompt = TokenCounts.from_history([[2, 3, 2]])
+    assert without_prompt.in_prompt is None
+    got = penalise(x, without_prompt.ids, without_prompt.ids >= 0, without_prompt, rows)
+    torch.testing.assert_close(got[0, 1], x[0, 1])  # prompt-only token: untouched without prompts
+
+
+def test_token_counts_validation():
+    ids, counts = torch.tensor([[1, -1]]), torch.tensor([[1, 0]])
+    TokenCounts(ids, counts, torch.tensor([[True, False]])).check(1, 10)
+    with pytest.raises(ValueError, match="in_prompt must be None or a bool tensor of the shape of ids"):
+        TokenCounts(ids, counts, torch.tensor([[1, 0]])).check(1, 10)
+    with pytest.raises(ValueError, match="in_prompt must be None or a bool tensor of the shape of ids"):
+        TokenCounts(ids, counts, torch.tensor([True, False])).check(1, 10)
+    with pytest.raises(ValueError, match="row 0: token_counts in_prompt must be False at empty slots"):
+        TokenCounts(ids, counts, torch.tensor([[True, True]])).check(1, 10)
+    with pytest.raises(ValueError, match="2 histories but 1 prompts"):
+        TokenCounts.from_history([[1], [2]], prompts=[[3]])
+
+
+def test_top_k_minus_one_is_off():
+    logits = torch.randn(3, 50)
+    positions = torch.arange(3)
+    assert SamplingParams(top_k=[-1, 5, 0]).resolve(3, 50).top_k.tolist() == [0, 5, 0]
+    off, minus_one = (reference_sample(logits, SamplingParams(top_k=k, seed=[1, 2, 3]), positions=positions)
+                      for k in (0, -1))
+    assert torch.equal(minus_one.tokens, off.tokens)
+    with pytest.raises(ValueError, match=r"row 1: top_k must be >= -1 \(0 and -1 are off\), got -2"):
+        SamplingParams(top_k=[0, -2, 1]).resolve(3, 50)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("seed", 2**64, "seed: expected a scalar or 2 integers"),
+    ("seed", [1, 2**64], "seed: expected a scalar or 2 integers"),
+    ("seed", 1e30, "row 0: seed must be an integer in"),
+    ("top_k", 2**70, "top_k: expected a scalar or 2 integers"),
+    ("top_k", [3, float("nan")], "row 1: top_k must be an integer"),
+    ("top_k", "5", "top_k: expected a scalar or 2 integers"),
+    ("temperature", 2**2000, "temperature: expected a scalar or 2 real numbers"),
+    ("top_p", [0.5, None], "top_p: expected a scalar or 2 real numbers"),
+    ("filter_order", "sglang", r"filter_order must be one of \('hf', 'vllm'\), got 'sglang'"),
+])
+def test_unconvertible_values_name_their_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value}).resolve(2, 10)
+
+
+def test_per_row_logprobs_and_processed_logprobs_follow_their_definitions():
+    """Per-row counts cut each row's top list (NaN / -1 past it, nothing for None rows); raw
+    logprobs are ``log_softmax`` of the logits; processed ones, of what transformers' warpers
+    (temperature, top-k, top-p, min-p) leave -- vLLM's ``processed_logprobs``."""
+    pytest.importorskip("transformers")
+    case = next(c for c in CASES if c["name"] == "logprobs_per_row_processed")
+    x, params = case["logits"], case["params"]
+    counts = params.logprobs
+    processed = _reference(case)
+    raw = reference_sample(x, dataclasses.replace(params, logprobs_of="raw"), positions=case["positions"])
+    assert torch.equal(processed.tokens, raw.tokens)
+    for b, n in enumerate(counts):
+        if n is None:
+            assert processed.logprob[b].isnan() and processed.rank[b] == -1 and processed.top(b) == []
+            continue
+        assert len(processed.top(b)) == n and processed.top_ids[b, n:].eq(-1).all()
+        logp = torch.log_softmax(x[b].double(), 0)
+        assert abs(raw.logprob[b] - logp[raw.tokens[b]]) < 1e-5
+        assert raw.rank[b] == 1 + (x[b] > x[b, raw.tokens[b]]).sum()
+        if params.temperature[b] == 0:  # greedy rows: no temperature or filters to apply
+            warped = x[b]
+        else:
+            t, k, p, m = (float(getattr(params, f)[b]) for f in ("temperature", "top_k", "top_p", "min_p"))
+            k = int(k)
+            warped = torch.where(_hf_kept(x[b], t, k, p, m), x[b] / t, float("-inf"))
+        want = torch.log_softmax(warped.double(), 0)
+        assert abs(processed.logprob[b] - want[processed.tokens[b]]) < 1e-5, b
+        top = [(i, lp) for i, lp in processed.top(b) if lp > float("-inf")]
+        assert [i for i, _ in top] == want.topk(len(top)).indices.tolist(), b

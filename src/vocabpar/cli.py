@@ -4,24 +4,57 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import pathlib
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import NoReturn
 
-from vocabpar import plan
+from vocabpar import demo, plan
 from vocabpar.layout import SCHEMES, VocabLayout
 from vocabpar.presets import DEFAULT_PRESET, PRESETS, preset
 
 
-def _positive(text: str) -> int:
+def _number(p: argparse.ArgumentParser, flag: str, kind: type[int] | type[float], limits: tuple[float, float],
+            help: str, scale: float = 1, **kw: object) -> None:
+    """Add option ``flag`` whose value (an int or a finite float) times ``scale`` must lie in
+    ``limits``; the accepted range, in the option's own units, ends its help text."""
+    low, high = (int(x) if kind is int else x / scale for x in limits)
+    span = f"[{low}, {high}]" if kind is int else f"[{low:g}, {high:g}]"
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not limits[0] <= value * scale <= limits[1]:  # NaN fails too
+            raise argparse.ArgumentTypeError(
+                f"must be {'an integer' if kind is int else 'a number'} in {span}, got {text!r}")
+        return value
+
+    p.add_argument(flag, type=parse, help=f"{help} {span}".lstrip(), **kw)
+
+
+def _writable(text: str) -> str:
+    """An argparse type: a file path that can be (over)written -- not a folder, in an existing
+    writable folder."""
+    path = pathlib.Path(text)
+    folder = path.resolve().parent
+    why = ("is a folder" if path.is_dir() or text.endswith(("/", os.sep)) else
+           f"folder {str(folder)!r} does not exist" if not folder.is_dir() else
+           "is not writable" if not os.access(path if path.exists() else folder, os.W_OK) else "")
+    if why:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {why}")
+    return text
+
+
+def _png(text: str) -> str:
+    """An argparse type: a writable ``.png`` path, ``.png`` appended to a name without extension."""
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+        return _writable(plan.png_path(_writable(text)))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -64,8 +97,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rec = plan.recommend(costs, None if args.headroom is None else args.headroom * plan.GiB)
     study = plan.study_figures() if plan.is_study_shape(w) else []
     if args.plot:
-        plan.plot(w, args.plot)
-        print(f"wrote {args.plot}", file=sys.stderr)
+        print(f"wrote {plan.plot(w, args.plot)}", file=sys.stderr)
     if args.json:
         print(json.dumps({"workload": asdict(w), "designs": [asdict(c) for c in costs],
                           "recommendation": asdict(rec),
@@ -102,9 +134,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Exit status 1 when any design's tokens differ from the reference; byte differences from
     the planner are reported, not fatal."""
     from vocabpar import comm
-    from vocabpar.demo import run_demo
 
-    result = run_demo(args.model, args.ranks, args.batch, args.tokens, progress=not args.quiet)
+    result = demo.run_demo(args.model, args.ranks, args.batch, args.tokens, progress=not args.quiet)
     status = 0 if result.tokens_agree else 1
     if comm.rank() != 0:  # under torchrun, rank 0 reports
         return status
@@ -134,8 +165,37 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return status
 
 
+def cmd_score(args: argparse.Namespace) -> int:
+    """Exit status 1 when the sharded scores differ from the single-process model's."""
+    from vocabpar import comm
+
+    ids = None if args.ids is None else _id_list(args.ids)
+    result = demo.run_score(args.model, args.ranks, ids, args.length, args.top_n)
+    status = 0 if result.agrees else 1
+    if comm.rank() != 0:
+        return status
+    print(f"{result.model}, {result.ranks} ranks: log-probabilities of the prompt's tokens "
+          f"1..{len(result.ids) - 1} (sharded embedding and head; logits never gathered)\n")
+    rows = [(i + 1, token, f"{lp:.5f}", f"{ref:.5f}", rank,
+             " ".join(f"{t}:{v:.2f}" for t, v in zip(top, top_lp)))
+            for i, (token, lp, ref, rank, top, top_lp) in enumerate(zip(
+                result.ids[1:], result.logprobs, result.reference, result.token_ranks, result.top_ids,
+                result.top_logprobs))]
+    print(format_table(("pos", "token", "logprob", "single-process", "rank", f"top-{args.top_n}"), rows))
+    print(f"\nperplexity {result.perplexity:.2f}; largest difference from the single-process model "
+          f"{result.max_error:.2e} ({'within' if result.agrees else 'ABOVE'} {result.tolerance:g})")
+    return status
+
+
+def _id_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--ids must be comma-separated integers, got {text!r}") from None
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    import pathlib
+    """``--out`` and ``--plot`` were checked writable when parsed, before minutes of benchmarks."""
     import subprocess
 
     scripts = sorted(pathlib.Path(args.dir).glob("bench_*.py"))
@@ -144,9 +204,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not scripts:
         raise ValueError(f"no benchmark scripts bench_*.py{' named ' + args.only if args.only else ''} "
                          f"in {args.dir!r}")
-    for target in (args.out, args.plot):  # fail before minutes of benchmarks, not after
-        if target and not pathlib.Path(target).resolve().parent.is_dir():
-            raise ValueError(f"cannot write {target!r}: its folder does not exist")
     failed, report = [], []
     for script in scripts:
         print(f"\n== {script} ==", flush=True)
@@ -158,10 +215,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.out:
         pathlib.Path(args.out).write_text("\n".join(report))
     if args.plot:
-        from vocabpar.demo import plot, run_demo
-
-        plot(run_demo(progress=False), args.plot)
-        print(f"\nwrote {args.plot}")
+        print(f"\nwrote {demo.plot(demo.run_demo(progress=False), args.plot)}")
     if failed:
         print(f"\nfailed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
@@ -175,59 +229,80 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every numeric option has a documented range (``plan.LIMITS``, ``demo.LIMITS``) checked at
+    parse time: a bad value exits 2 with one line naming the option and the value."""
+    L, D = plan.LIMITS, demo.LIMITS
     parser = _Parser(
         prog="vocabpar", description="Vocabulary-parallel embedding, LM head, logits and sampling.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("layout", help="show how a vocabulary is split over ranks")
     p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
-    p.add_argument("--vocab", type=_positive, help="vocabulary size (overrides --preset)")
-    p.add_argument("--org-vocab", type=_positive, help="base vocabulary size (rest is added vocab)")
-    p.add_argument("--ranks", type=_positive, default=8)
-    p.add_argument("--pad-to", type=_positive, default=64)
+    _number(p, "--vocab", int, L["vocab"], "vocabulary size (overrides --preset)")
+    _number(p, "--org-vocab", int, L["vocab"], "base vocabulary size (rest is added vocab)")
+    _number(p, "--ranks", int, L["ranks"], "ranks sharing the vocabulary", default=8)
+    _number(p, "--pad-to", int, L["pad_to"], "padding multiple (padded scheme)", default=64)
     p.add_argument("--scheme", choices=SCHEMES, help="one scheme (default: all)")
     p.set_defaults(func=cmd_layout)
     p = sub.add_parser("plan", help="price every vocabulary design for a model and workload")
     p.add_argument("--preset", default=DEFAULT_PRESET, help=f"model shape ({', '.join(PRESETS)})")
-    p.add_argument("--vocab", type=int, help="vocabulary size (overrides the preset)")
-    p.add_argument("--hidden", type=int, help="hidden size (overrides the preset)")
+    _number(p, "--vocab", int, L["vocab"], "vocabulary size (overrides the preset)")
+    _number(p, "--hidden", int, L["hidden"], "hidden size (overrides the preset)")
     tied = p.add_mutually_exclusive_group()
     tied.add_argument("--tied", dest="tied", action="store_true", default=None, help="one shared matrix")
     tied.add_argument("--untied", dest="tied", action="store_false", help="embedding and head separate")
-    p.add_argument("--ranks", type=int, default=8, help="ranks sharing the vocabulary (TP degree)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel attention groups (1 = attention TP)")
-    p.add_argument("--batch", type=int, default=256, help="rows needing logits per step")
-    p.add_argument("--tokens", type=int, default=8192, help="tokens per forward (embedding)")
-    p.add_argument("--weight-dtype", default="bf16", help=f"one of {', '.join(plan.DTYPE_BYTES)}")
-    p.add_argument("--logits-dtype", default="bf16", help=f"one of {', '.join(plan.DTYPE_BYTES)}")
-    p.add_argument("--bandwidth", type=float, default=300.0, help="interconnect GB/s")
-    p.add_argument("--flops", type=float, default=600.0, help="effective TFLOP/s")
-    p.add_argument("--kv-bytes-per-token", type=float, default=890.0, help="KV cache bytes per token")
-    p.add_argument("--pad-to", type=int, default=64, help="vocab padding multiple (padded scheme)")
-    p.add_argument("--headroom", type=float, help="GiB per rank available for extra memory")
+    _number(p, "--ranks", int, L["ranks"], "ranks sharing the vocabulary (TP degree)", default=8)
+    _number(p, "--dp", int, L["dp"], "data-parallel attention groups, dividing --ranks (1 = attention TP)",
+            default=1)
+    _number(p, "--batch", int, L["batch"], "rows needing logits per step", default=256)
+    _number(p, "--tokens", int, L["tokens"], "tokens per forward (embedding)", default=8192)
+    for what in ("weight", "logits"):
+        p.add_argument(f"--{what}-dtype", default="bf16", type=str.lower, choices=plan.DTYPE_BYTES,
+                       help=f"{what} element type")
+    _number(p, "--bandwidth", float, L["bandwidth"], "interconnect GB/s", scale=1e9, default=300.0)
+    _number(p, "--flops", float, L["flops"], "effective TFLOP/s", scale=1e12, default=600.0)
+    _number(p, "--kv-bytes-per-token", float, L["kv_bytes_per_token"], "KV cache bytes per token",
+            default=890.0)
+    _number(p, "--pad-to", int, L["pad_to"], "vocab padding multiple (padded scheme)", default=64)
+    _number(p, "--headroom", float, L["headroom"], "GiB per rank available for extra memory",
+            scale=plan.GiB)
     p.add_argument("--json", action="store_true", help="print plain data in base units")
-    p.add_argument("--plot", metavar="FILE.png", help="write bytes-vs-batch and memory-vs-ranks plots")
+    p.add_argument("--plot", metavar="FILE.png", type=_png,
+                   help="write bytes-vs-batch and memory-vs-ranks plots (.png appended if missing)")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("demo", help="generate with a Hugging Face model through every design on local ranks")
-    p.add_argument("--model", default="gpt2", choices=("gpt2", "llama", "qwen2"),
+    p.add_argument("--model", default="gpt2", choices=demo.MODELS,
                    help="embedded seeded model (no downloads)")
-    p.add_argument("--ranks", type=_positive, default=4)
-    p.add_argument("--batch", type=_positive, default=4, help="prompts per batch")
-    p.add_argument("--tokens", type=_positive, default=8, help="new tokens per prompt (>= 2)")
+    _number(p, "--ranks", int, D["ranks"], "local ranks, one process each", default=4)
+    _number(p, "--batch", int, D["batch"], "prompts per batch", default=4)
+    _number(p, "--tokens", int, D["tokens"], "new tokens per prompt", default=8)
     p.add_argument("--json", action="store_true", help="print the table as data")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("score", help="per-token log-probabilities and perplexity of a prompt on local ranks")
+    p.add_argument("--model", default="gpt2", choices=demo.MODELS,
+                   help="embedded seeded model (no downloads)")
+    _number(p, "--ranks", int, D["ranks"], "local ranks, one process each", default=4)
+    _number(p, "--length", int, D["length"], "random prompt length (seeded)", default=16)
+    p.add_argument("--ids", help="the prompt as comma-separated token ids (instead of a random one)")
+    _number(p, "--top-n", int, D["top_n"], "top alternatives shown per token", default=3)
+    p.set_defaults(func=cmd_score)
     p = sub.add_parser("bench", help="run the benchmark scripts (bench_*.py) and print their tables")
     p.add_argument("--dir", default="benchmarks", help="folder holding bench_*.py (default: ./benchmarks)")
     p.add_argument("--only", help="run one script, e.g. 'embedding' or 'bench_embedding'")
-    p.add_argument("--out", metavar="FILE.md", help="also write every script's output (markdown) here")
-    p.add_argument("--plot", metavar="FILE.png", help="run the demo and plot bytes and time per design")
+    p.add_argument("--out", metavar="FILE.md", type=_writable,
+                   help="also write every script's output (markdown) here")
+    p.add_argument("--plot", metavar="FILE.png", type=_png,
+                   help="run the demo and plot bytes and time per design (.png appended if missing)")
     p.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Exit status: the command's, or 2 for bad arguments (one line on stderr)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse: 2 for bad arguments, 0 for --help
+        return e.code if isinstance(e.code, int) else 2
     try:
         return args.func(args)
     except (ValueError, OSError) as e:

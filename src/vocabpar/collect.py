@@ -104,15 +104,54 @@ def _chunks(total: int, step: int) -> Iterator[slice]:
 
 def iter_logits(head: ParallelLMHead, hidden: torch.Tensor, *, strategy: str,
                 group: ProcessGroup = None, max_rows: int | None = None, dst: int = 0,
-                scatter: str = "all_to_all") -> Iterator[tuple[slice, torch.Tensor | None]]:
+                scatter: str = "all_to_all", check: bool | None = None
+                ) -> Iterator[tuple[slice, torch.Tensor | None]]:
     """Yield ``(rows, logits)`` chunk by chunk: ``logits`` are this rank's output rows ``rows``
     (``None`` off the destination for ``gather``; a ``[rows, shard]`` block for ``none``). At
     most ``max_rows`` rows of hidden state are computed and collected per chunk, over all ranks;
-    every rank walks the same chunks."""
+    every rank walks the same chunks.
+
+    Before the first collective the ranks check (:func:`vocabpar.comm.agree`) that they agree on
+    the strategy, chunking, row count and -- for the strategies whose hidden rows are replicated
+    -- a fingerprint of ``hidden``; any disagreement or bad input is the same ``ValueError`` on
+    every rank. ``check=False`` (or ``VOCABPAR_CHECK=0``) skips it; ``dp_gather_scatter`` folds
+    it into the row-count exchange it makes anyway."""
+    n = comm.world_size(head.group)
+    dp = strategy == "dp_gather_scatter"
+
+    def facts() -> dict[str, comm.Fact]:
+        _check_arguments(head, hidden, strategy, group, max_rows, dst, scatter)
+        agreed = {"strategy": strategy, "rows": hidden.shape[0], "max_rows": max_rows or 0}
+        if dp:
+            return agreed | {"scatter": scatter}
+        return agreed | {"dst": dst if strategy == "gather" else 0, "hidden": hidden}
+
+    if strategy == "none" or head.layout.scheme == "replicated" or n == 1:
+        facts()  # nothing crosses ranks: local validation only
+        sizes = [hidden.shape[0]] * n
+    else:
+        sizes = comm.agree(f"compute_logits(strategy={strategy!r})", head.group, facts, check=check,
+                           vary=("rows",) if dp else ()).get("rows", [hidden.shape[0]] * n)
+    if dp:
+        yield from _iter_dp(head, hidden, sizes, max_rows, scatter)
+        return
+    total = hidden.shape[0]
+    if strategy != "all_to_all":
+        for rows in _chunks(total, max_rows or max(total, 1)):
+            yield rows, STRATEGIES[strategy](head, hidden[rows], head.group, dst)
+        return
+    # chunk k takes the k-th slice of every rank's block, so each chunk is again n equal blocks
+    block = total // n
+    blocks = hidden.reshape(n, block, hidden.shape[1])
+    for rows in _chunks(block, max(1, (max_rows or total) // n)):
+        yield rows, _all_to_all(head, blocks[:, rows].reshape(-1, hidden.shape[1]), head.group, dst)
+
+
+def _check_arguments(head, hidden, strategy, group, max_rows, dst, scatter) -> None:
+    """Local validation of :func:`iter_logits`' arguments (``ValueError`` naming the problem)."""
+    n, me = comm.world_size(head.group), comm.rank(head.group)
     if group is not None and not comm.same_group(group, head.group):
         raise ValueError("group must be the process group the head was built on (or None)")
-    group = head.group
-    n, me = comm.world_size(group), comm.rank(group)
     names = sorted([*STRATEGIES, "dp_gather_scatter"])
     if strategy not in names:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {names}")
@@ -120,54 +159,28 @@ def iter_logits(head: ParallelLMHead, hidden: torch.Tensor, *, strategy: str,
         raise ValueError(f"strategy 'replicated' needs a replicated layout, got {head.layout.scheme!r}")
     if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
         raise ValueError(f"max_rows must be a positive int or None, got {max_rows!r}")
-    if strategy == "gather" and not 0 <= dst < n:
-        raise ValueError(f"dst must be a rank in [0, {n}), got {dst}")
+    if strategy == "gather" and not (isinstance(dst, int) and 0 <= dst < n):
+        raise ValueError(f"dst must be a rank in [0, {n}), got {dst!r}")
     if scatter not in ("all_to_all", "all_gather"):
         raise ValueError(f"scatter must be 'all_to_all' or 'all_gather', got {scatter!r}")
-    if strategy == "dp_gather_scatter":
-        yield from _iter_dp(head, hidden, group, max_rows, scatter)
-        return
     head.check_hidden(hidden)
-    total = hidden.shape[0]
-    if strategy != "all_to_all":
-        for rows in _chunks(total, max_rows or max(total, 1)):
-            yield rows, STRATEGIES[strategy](head, hidden[rows], group, dst)
-        return
-    if total % n:
-        raise ValueError(f"all_to_all splits rows into {n} equal blocks, but there are {total} rows "
-                         f"(rank {me}); pad the batch or use dp_gather_scatter")
-    # chunk k takes the k-th slice of every rank's block, so each chunk is again n equal blocks
-    block = total // n
-    blocks = hidden.reshape(n, block, hidden.shape[1])
-    for rows in _chunks(block, max(1, (max_rows or total) // n)):
-        yield rows, _all_to_all(head, blocks[:, rows].reshape(-1, hidden.shape[1]), group, dst)
+    if strategy == "all_to_all" and hidden.shape[0] % n:
+        raise ValueError(f"all_to_all splits rows into {n} equal blocks, but there are {hidden.shape[0]} "
+                         f"rows (rank {me}); pad the batch or use dp_gather_scatter")
 
 
-def _iter_dp(head, hidden, group, max_rows, scatter):
-    """DP attention: each rank brings its own rows. Row counts and a validity flag are exchanged
-    once (a bad input on one rank then fails every rank instead of leaving them waiting); per
-    chunk the hidden rows are all-gathered and each rank gets back full-vocab logits for exactly
-    its rows -- by all-to-all (each rank receives only its rows), or, with
-    ``scatter="all_gather"``, SGLang's way (every rank collects every row, keeps its own).
-    A replicated head needs none of this: each rank computes its own rows."""
+def _iter_dp(head, hidden, sizes, max_rows, scatter):
+    """DP attention: each rank brings its own rows (``sizes``: every rank's row count, from the
+    agreement exchange); per chunk the hidden rows are all-gathered and each rank gets back
+    full-vocab logits for exactly its rows -- by all-to-all (each rank receives only its rows),
+    or, with ``scatter="all_gather"``, SGLang's way (every rank collects every row, keeps its
+    own). A replicated head needs none of this: each rank computes its own rows."""
     if head.layout.scheme == "replicated":
-        head.check_hidden(hidden)
         for rows in _chunks(hidden.shape[0], max_rows or max(hidden.shape[0], 1)):
             yield rows, _local_full(head, hidden[rows])
         return
+    group = head.group
     n, me = comm.world_size(group), comm.rank(group)
-    try:
-        head.check_hidden(hidden)
-        problem = None
-    except ValueError as e:
-        problem = e
-    mine = torch.tensor([hidden.shape[0] if problem is None else -1], device=comm.device(group))
-    sizes = comm.all_gather(mine, group).flatten().tolist()
-    if problem is not None:
-        raise problem
-    if min(sizes) < 0:
-        bad = [r for r, s in enumerate(sizes) if s < 0]
-        raise ValueError(f"dp_gather_scatter: rank(s) {bad} passed invalid hidden states (rank {me})")
     step = max(1, (max_rows or max(sum(sizes), 1)) // n)
     for start in range(0, max(max(sizes), 1), step):
         chunk = [max(0, min(step, s - start)) for s in sizes]
@@ -182,7 +195,8 @@ def _iter_dp(head, hidden, group, max_rows, scatter):
 
 def compute_logits(head: ParallelLMHead, hidden: torch.Tensor, *, strategy: str,
                    group: ProcessGroup = None, max_rows: int | None = None, dst: int = 0,
-                   scatter: str = "all_to_all") -> torch.Tensor | ShardedLogits | None:
+                   scatter: str = "all_to_all", check: bool | None = None
+                   ) -> torch.Tensor | ShardedLogits | None:
     """FP32 logits for the rows of ``hidden`` collected by ``strategy``:
 
     * ``all_gather`` / ``replicated``: ``[B, vocab_size]`` in token order on every rank;
@@ -190,13 +204,15 @@ def compute_logits(head: ParallelLMHead, hidden: torch.Tensor, *, strategy: str,
     * ``all_to_all``: rank r gets rows ``[r*B/n, (r+1)*B/n)``, full vocab;
     * ``dp_gather_scatter``: each rank passes its own rows and gets exactly those back
       (``scatter``: ``all_to_all`` or SGLang's ``all_gather``);
-    * ``none``: :class:`ShardedLogits`, this rank's ``[B, rows]`` shard for the sampler."""
-    own = hidden.shape[0] // comm.world_size(head.group) if strategy == "all_to_all" else hidden.shape[0]
+    * ``none``: :class:`ShardedLogits`, this rank's ``[B, rows]`` shard for the sampler.
+
+    ``check``: the agreement check of :func:`iter_logits`."""
     out = None
     for rows, logits in iter_logits(head, hidden, strategy=strategy, group=group, max_rows=max_rows,
-                                    dst=dst, scatter=scatter):
+                                    dst=dst, scatter=scatter, check=check):
         if logits is None:
             continue
+        own = hidden.shape[0] // comm.world_size(head.group) if strategy == "all_to_all" else hidden.shape[0]
         if out is None and rows.stop - rows.start == own:  # one chunk holds everything: no copy
             out = logits
             continue
@@ -209,12 +225,19 @@ def compute_logits(head: ParallelLMHead, hidden: torch.Tensor, *, strategy: str,
 
 
 def broadcast_tokens(tokens: torch.Tensor | None, rows: int, src: int = 0,
-                     group: ProcessGroup = None) -> torch.Tensor:
-    """After ``gather``: send the int64 ``[rows]`` ids sampled on ``src`` to every rank."""
-    if comm.rank(group) == src:
-        if tokens is None or tuple(tokens.shape) != (rows,):
+                     group: ProcessGroup = None, check: bool | None = None) -> torch.Tensor:
+    """After ``gather``: send the int64 ``[rows]`` ids sampled on ``src`` to every rank (after
+    checking that the ranks agree on ``rows`` and ``src``)."""
+    def facts() -> dict[str, comm.Fact]:
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+            raise ValueError(f"broadcast_tokens: rows must be an int >= 0, got {rows!r}")
+        if comm.rank(group) == src and (tokens is None or tuple(tokens.shape) != (rows,)):
             raise ValueError(f"broadcast_tokens: rank {src} must pass [{rows}] token ids, got "
                              f"{None if tokens is None else tuple(tokens.shape)}")
+        return {"rows": rows, "src": src}
+
+    comm.agree("broadcast_tokens", group, facts, check=check)
+    if comm.rank(group) == src:
         buf = tokens.long().contiguous()
     else:
         buf = torch.empty(rows, dtype=torch.long, device=comm.device(group))

@@ -19,20 +19,40 @@ all_to_all             bytes of input splits for other ranks       bytes of outp
 
 ``c`` is the per-rank chunk actually put on the wire: for uneven all-gathers the chunks are
 padded to the largest one, so ``c`` is the largest chunk. A group of size 1 counts nothing.
+
+A backend failure inside a collective (a peer died, timed out, or called a different
+collective) is re-raised as :class:`CollectiveError` naming the collective, its bytes, the group
+and this rank. :func:`agree` is the check every entry point that exchanges data runs first: the
+ranks compare what must be replicated (shapes, parameters, fingerprints of inputs) in one small
+all-gather, so a disagreement becomes the same ``ValueError`` on every rank instead of a
+mismatched collective (an abort inside gloo, garbage or a hang under NCCL).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import zlib
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from vocabpar.hashing import fingerprint
+from vocabpar.wire import agreement_words
+
 ProcessGroup = dist.ProcessGroup | None
+
+OVERHEAD = ("handshake", "agreement")
+"""Counter labels of the safety exchanges (construction handshake, per-call agreement check),
+kept apart from the traffic a design is priced on."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed in the backend; the message names it, its size, the group and rank."""
 
 
 @dataclass
@@ -65,8 +85,9 @@ def traffic() -> dict[str, Counter]:
 
 
 def total_bytes(kinds: Sequence[str] | None = None) -> tuple[int, int]:
-    """``(sent, received)`` summed over ``kinds`` (all kinds but the handshake by default)."""
-    selected = [v for k, v in _counters.items() if (k in kinds if kinds else k != "handshake")]
+    """``(sent, received)`` summed over ``kinds`` (all kinds but the :data:`OVERHEAD` ones by
+    default)."""
+    selected = [v for k, v in _counters.items() if (k in kinds if kinds else k not in OVERHEAD)]
     return sum(c.sent for c in selected), sum(c.received for c in selected)
 
 
@@ -83,6 +104,24 @@ def _count(kind: str, sent: float, received: float) -> None:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def describe_group(group: ProcessGroup) -> str:
+    if group is None or not dist.is_initialized() or same_group(group, None):
+        return "the world group"
+    return f"the group of global ranks {dist.get_process_group_ranks(group)}"
+
+
+@contextmanager
+def _named_failure(kind: str, nbytes: int, group: ProcessGroup) -> Iterator[None]:
+    """Re-raise a backend error as :class:`CollectiveError` saying which collective failed."""
+    try:
+        yield
+    except RuntimeError as e:  # gloo and NCCL errors (DistBackendError is a RuntimeError)
+        raise CollectiveError(
+            f"{kind} of {nbytes} bytes on {describe_group(group)} failed at rank {rank(group)} of "
+            f"{world_size(group)}: a peer probably failed or called a different collective "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
 
 
 # ---------------------------------------------------------------------- group facts
@@ -119,7 +158,8 @@ def all_reduce(t: torch.Tensor, group: ProcessGroup = None) -> torch.Tensor:
     """Sum ``t`` over the group, in place; returns ``t``."""
     n = world_size(group)
     if n > 1:
-        dist.all_reduce(t, group=group)
+        with _named_failure("all_reduce", _nbytes(t), group):
+            dist.all_reduce(t, group=group)
         _count("all_reduce", 2 * (n - 1) / n * _nbytes(t), 2 * (n - 1) / n * _nbytes(t))
     return t
 
@@ -146,7 +186,8 @@ def all_reduce_max(t: torch.Tensor, group: ProcessGroup = None) -> torch.Tensor:
     """Element-wise max of ``t`` over the group, in place."""
     n = world_size(group)
     if n > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        with _named_failure("all_reduce (max)", _nbytes(t), group):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         _count("all_reduce", 2 * (n - 1) / n * _nbytes(t), 2 * (n - 1) / n * _nbytes(t))
     return t
 
@@ -158,7 +199,8 @@ def all_gather(t: torch.Tensor, group: ProcessGroup = None) -> torch.Tensor:
         return t.unsqueeze(0)
     out = torch.empty((n, *t.shape), dtype=t.dtype, device=t.device)
     flat = t.reshape(1, -1) if t.dim() == 0 else t.contiguous()
-    _all_gather_into(out.view(n * flat.shape[0], *flat.shape[1:]), flat, group=group)
+    with _named_failure("all_gather", _nbytes(t), group):
+        _all_gather_into(out.view(n * flat.shape[0], *flat.shape[1:]), flat, group=group)
     _count("all_gather", (n - 1) * _nbytes(t), (n - 1) * _nbytes(t))
     return out
 
@@ -201,10 +243,12 @@ def gather(t: torch.Tensor, dst: int = 0, group: ProcessGroup = None) -> torch.T
     t = t.contiguous()
     if me == dst:
         out = torch.empty((n, *t.shape), dtype=t.dtype, device=t.device)
-        dist.gather(t, list(out.unbind(0)), dst=global_rank(group, dst), group=group)
+        with _named_failure("gather", _nbytes(t), group):
+            dist.gather(t, list(out.unbind(0)), dst=global_rank(group, dst), group=group)
         _count("gather", 0, (n - 1) * _nbytes(t))
         return out
-    dist.gather(t, None, dst=global_rank(group, dst), group=group)
+    with _named_failure("gather", _nbytes(t), group):
+        dist.gather(t, None, dst=global_rank(group, dst), group=group)
     _count("gather", _nbytes(t), 0)
     return None
 
@@ -213,7 +257,8 @@ def broadcast(t: torch.Tensor, src: int = 0, group: ProcessGroup = None) -> torc
     """Overwrite ``t`` on every rank with group rank ``src``'s ``t``; returns ``t``."""
     n = world_size(group)
     if n > 1:
-        dist.broadcast(t, src=global_rank(group, src), group=group)
+        with _named_failure("broadcast", _nbytes(t), group):
+            dist.broadcast(t, src=global_rank(group, src), group=group)
         me = rank(group)
         _count("broadcast", (n - 1) * _nbytes(t) if me == src else 0, 0 if me == src else _nbytes(t))
     return t
@@ -231,7 +276,8 @@ def all_to_all(t: torch.Tensor, in_splits: Sequence[int], out_splits: Sequence[i
     if n == 1:
         return t
     out = torch.empty((sum(out_splits), *t.shape[1:]), dtype=t.dtype, device=t.device)
-    dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=group)
+    with _named_failure("all_to_all", _nbytes(t), group):
+        dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=group)
     row = _nbytes(t[:1]) if t.shape[0] else _nbytes(out[:1])
     _count("all_to_all", row * (sum(in_splits) - in_splits[me]),
            row * (sum(out_splits) - out_splits[me]))
@@ -264,3 +310,97 @@ def verify_consistent(group: ProcessGroup = None, **facts: object) -> None:
             problems.append(f"{key}: {parts}")
     if problems:
         raise ConsistencyError("ranks disagree on " + " | ".join(problems))
+
+
+# ---------------------------------------------------------------------- per-call agreement
+CHECK_ENV = "VOCABPAR_CHECK"
+
+Fact = int | str | torch.Tensor
+"""An int or str compared as is; a tensor compared by :func:`vocabpar.hashing.fingerprint`."""
+
+
+def checks_enabled(check: bool | None = None) -> bool:
+    """``check`` if given, else the ``VOCABPAR_CHECK`` environment variable (on unless ``0``).
+    It must be the same on every rank."""
+    return os.environ.get(CHECK_ENV, "1") != "0" if check is None else bool(check)
+
+
+def agree(where: str, group: ProcessGroup, collect: Callable[[], Mapping[str, Fact]], *,
+          check: bool | None = None, vary: Sequence[str] = ()) -> dict[str, list[int]]:
+    """Validate this rank's input and check that every rank holds the same facts.
+
+    ``collect()`` validates the local input (raising ``ValueError``/``TypeError``) and returns the
+    facts that must be replicated, by name: a count named by a plain plural ("rows": 4), a
+    setting ("max_rows": 8, "strategy": "gather") or a tensor ("hidden": its fingerprint).
+    One all-gather of ``AGREE_WIDTH`` int64 per rank (booked as ``"agreement"``; a tensor fact
+    costs one local pass to fingerprint) then makes every rank raise the same ``ValueError`` --
+    naming the facts that differ and which rank holds what, or the ranks whose input was
+    invalid -- before the caller issues a collective whose sizes could disagree. Facts named in
+    ``vary`` may differ: their values on every rank are returned; the exchange then always
+    happens (with checks off it carries only them) and, being traffic the caller needs anyway,
+    is booked as an ``"all_gather"``. With checks off (:func:`checks_enabled`) and nothing in
+    ``vary`` nothing is sent."""
+    try:
+        facts, problem = dict(collect()), None
+    except (ValueError, TypeError) as e:
+        facts, problem = {}, e
+    checking = checks_enabled(check) and world_size(group) > 1
+    if not checking and not vary:
+        if problem is not None:
+            raise problem
+        return {}
+    names = [k for k in facts if checking or k in vary]
+    width = agreement_words(checking, len(vary))
+    if len(names) > width - 2:
+        raise ValueError(f"{where}: at most {width - 2} facts can be compared, got {len(names)}")
+    dev = device(group)
+    words = [torch.tensor(int(problem is None)), torch.tensor(len(names))]
+    words += [_fact_word(facts[k]) for k in names]
+    words += [torch.tensor(0)] * (width - len(words))
+    with booked_as("all_gather" if vary else "agreement"):
+        table = all_gather(torch.stack([w.to(dev) for w in words]), group).tolist()  # one host sync
+    if problem is not None:
+        raise problem
+    invalid = [r for r, row in enumerate(table) if not row[0]]
+    if invalid:
+        raise ValueError(f"{where}: rank(s) {invalid} rejected their input (see their error); "
+                         f"rank {rank(group)} stops too")
+    if len({row[1] for row in table}) > 1:
+        raise ConsistencyError(f"{where}: ranks compare different facts ({[row[1] for row in table]}); "
+                         f"is {CHECK_ENV} the same on every rank?")
+    column = {k: [row[2 + i] for row in table] for i, k in enumerate(names)}
+    problems = [_disagreement(k, facts[k], column[k]) for k in names if k not in vary
+                and len(set(column[k])) > 1]
+    if problems:
+        raise ConsistencyError(f"{where}: ranks disagree on what must be the same everywhere: "
+                         + "; ".join(problems))
+    return {k: column[k] for k in vary}
+
+
+def _fact_word(value: Fact) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return fingerprint(value)
+    if isinstance(value, str):
+        return torch.tensor(zlib.crc32(value.encode()))
+    return torch.tensor(int(value))
+
+
+def _disagreement(name: str, mine: Fact, values: list[int]) -> str:
+    """"rank 0 has 4 rows, ranks 1, 2 have 5 rows" (values by rank); a tensor's or a string's
+    words are hashes, so only the grouping of ranks is shown (with this rank's string)."""
+    by_value: dict[int, list[int]] = defaultdict(list)
+    for r, v in enumerate(values):
+        by_value[v].append(r)
+
+    def who(ranks: list[int]) -> str:
+        return f"rank {ranks[0]} has" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} have"
+    if isinstance(mine, torch.Tensor):
+        groups = " and ".join("{" + ", ".join(map(str, rs)) + "}" for rs in by_value.values())
+        return f"the content of {name} differs between ranks {groups}"
+    if isinstance(mine, str):
+        mine_word = zlib.crc32(mine.encode())
+        return f"{name}: " + ", ".join(f"{who(rs)} {mine!r}" if v == mine_word else f"{who(rs)} another value"
+                                       for v, rs in by_value.items())
+    plural = name.endswith("s") and "_" not in name  # a count reads "4 rows", a setting "max_rows=8"
+    return ", ".join(f"{who(rs)} {v} {name}" if plural else f"{who(rs)} {name}={v}"
+                     for v, rs in by_value.items())

@@ -13,6 +13,7 @@ the planner's formulas for the same shapes.
 from __future__ import annotations
 
 import gc
+import math
 import os
 import random
 import sys
@@ -27,6 +28,12 @@ from vocabpar.sampling import SamplingParams
 MODELS = ("gpt2", "llama", "qwen2")
 FP32_BYTES = 4  # the demo models, their activations and the logits are FP32
 SEED = 0
+POSITIONS, MAX_PROMPT = 128, 8  # the models' position table; the longest prompt of make_prompts
+# run_demo's accepted [low, high] per argument: ranks are local processes, and prompt plus new
+# tokens must fit the position table
+LIMITS: dict[str, tuple[int, int]] = {"ranks": (1, 64), "batch": (1, 256),
+                                      "tokens": (2, POSITIONS - MAX_PROMPT), "length": (2, POSITIONS),
+                                      "top_n": (0, 20)}
 
 
 def build_model(name: str = "gpt2", seed: int = SEED):
@@ -35,10 +42,10 @@ def build_model(name: str = "gpt2", seed: int = SEED):
     import transformers
 
     small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, max_position_embeddings=128, initializer_range=0.3)
+                 num_key_value_heads=1, max_position_embeddings=POSITIONS, initializer_range=0.3)
     configs = {
         "gpt2": lambda: transformers.GPT2Config(vocab_size=50257, n_embd=64, n_layer=2, n_head=2,
-                                                n_positions=128, initializer_range=0.3),
+                                                n_positions=POSITIONS, initializer_range=0.3),
         "llama": lambda: transformers.LlamaConfig(vocab_size=32001, tie_word_embeddings=False, **small),
         "qwen2": lambda: transformers.Qwen2Config(vocab_size=151665, tie_word_embeddings=True, **small),
     }
@@ -51,9 +58,9 @@ def build_model(name: str = "gpt2", seed: int = SEED):
 
 
 def make_prompts(batch: int, vocab: int, seed: int = SEED) -> list[list[int]]:
-    """``batch`` prompts of 2..8 random token ids (different lengths: exercises left padding)."""
+    """``batch`` prompts of 2..MAX_PROMPT random token ids (different lengths: exercises left padding)."""
     rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(rng.randint(2, 8))] for _ in range(batch)]
+    return [[rng.randrange(vocab) for _ in range(rng.randint(2, MAX_PROMPT))] for _ in range(batch)]
 
 
 def sampling_params(batch: int) -> SamplingParams:
@@ -133,12 +140,14 @@ def run_demo(model: str = "gpt2", ranks: int = 4, batch: int = 4, tokens: int = 
              progress: bool = True) -> DemoResult:
     """Run every multi-rank design on ``ranks`` local gloo ranks and compare with the
     single-process oracle computed here first. Under torchrun ``ranks`` is the world size and
-    each process reports what its own rank measured."""
+    each process reports what its own rank measured. Arguments outside ``LIMITS`` raise
+    ``ValueError`` before any work."""
+    for name, value in (("ranks", ranks), ("batch", batch), ("tokens", tokens)):
+        low, high = LIMITS[name]
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
     from vocabpar.integrations.hf import reference_generate
 
-    for name, value, least in (("ranks", ranks, 1), ("batch", batch, 1), ("tokens", tokens, 2)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
     if launch.under_torchrun():
         ranks = int(os.environ["WORLD_SIZE"])
     _say(progress, f"building {model} and the single-process reference ...")
@@ -220,11 +229,75 @@ def _predicted(design: plan.Design, mode: str, layout: VocabLayout, hidden: int,
         collection = plan.logits_collection_bytes(design.collection, batch, layout.vocab_size, n, b,
                                                   scheme=design.scheme, pad_to=layout.pad_to)
     dp = n if design.collection == "dp_gather_scatter" else 1
-    hidden_rows = 0 if design.scheme == "replicated" else plan.hidden_gather_bytes(batch, dp, hidden, b)
+    hidden_rows = 0 if design.scheme == "replicated" else plan.hidden_gather_bytes(
+        batch, dp, hidden, b, checked=comm.checks_enabled())
     per_step = [plan.embedding_exchange_bytes(design.embedding, batch, hidden, n, b,
                                               owned=_largest_owner_count(layout, x))
                 + hidden_rows + collection for x in inputs]
     return _mean(per_step)
+
+
+@dataclass
+class ScoreResult:
+    """Per-token scores of one prompt (``ids``) on ``ranks`` ranks: for tokens 1.. the log
+    probability, rank and top-n under the sharded model, and ``reference`` (the single-process
+    model's ``log_softmax``)."""
+
+    model: str
+    ranks: int
+    ids: list[int]
+    logprobs: list[float]
+    token_ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+    reference: list[float]
+    tolerance: float = 1e-4
+
+    @property
+    def max_error(self) -> float:
+        return max((abs(a - b) for a, b in zip(self.logprobs, self.reference)), default=0.0)
+
+    @property
+    def agrees(self) -> bool:
+        return self.max_error <= self.tolerance
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(-_mean(self.logprobs))
+
+
+def run_score(model: str = "gpt2", ranks: int = 4, ids: list[int] | None = None, length: int = 16,
+              top_n: int = 3) -> ScoreResult:
+    """Score a prompt (``ids``, or ``length`` seeded random ids) with the model's embedding and head
+    sharded over ``ranks`` local ranks (``lm.score``: no rank holds more than one chunk of
+    ``[rows, V/n]`` logits), and with the single-process model for reference."""
+    for name, value in (("ranks", ranks), ("length", length), ("top_n", top_n)):
+        low, high = LIMITS[name]
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
+    if launch.under_torchrun():
+        ranks = int(os.environ["WORLD_SIZE"])
+    reference_model = build_model(model)
+    vocab = reference_model.get_input_embeddings().weight.shape[0]
+    if ids is None:
+        rng = random.Random(SEED)
+        ids = [rng.randrange(vocab) for _ in range(length)]
+    if not 2 <= len(ids) <= POSITIONS or any(isinstance(i, bool) or not isinstance(i, int)
+                                             or not 0 <= i < vocab for i in ids):
+        raise ValueError(f"ids must be 2..{POSITIONS} integers in [0, {vocab}), got {ids!r}")
+    prompt = torch.tensor([ids])
+    with torch.inference_mode():
+        logp = torch.log_softmax(reference_model(prompt).logits[0, :-1].double(), -1)
+    reference = logp.gather(1, prompt[0, 1:, None])[:, 0].tolist()
+    got = launch.run(_score_rank, ranks, model, ids, top_n, timeout=120)[0]
+    return ScoreResult(model, ranks, ids, got.logprobs[0].tolist(), got.ranks[0].tolist(),
+                       got.top_ids[0].tolist(), got.top_logprobs[0].tolist(), reference)
+
+
+def _score_rank(model_name: str, ids: list[int], top_n: int):
+    from vocabpar.integrations.hf import parallelize
+
+    return parallelize(build_model(model_name), collect="none").score(torch.tensor([ids]), top_n=top_n)
 
 
 def _largest_owner_count(layout: VocabLayout, ids: torch.Tensor) -> int:
@@ -240,16 +313,12 @@ def _say(enabled: bool, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
-def plot(result: DemoResult, path: str) -> None:
+def plot(result: DemoResult, path: str) -> str:
     """Write a PNG of the demo's measurements: bytes received per rank per decode step (with the
-    planner's prediction) and milliseconds per step, one bar per design and mode."""
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise ValueError("plotting needs matplotlib: pip install 'vocabpar[plot]'") from e
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    planner's prediction) and milliseconds per step, one bar per design and mode. Returns the
+    path written (see ``vocabpar.plan.png_path``)."""
+    plan.png_path(path)  # a bad name fails before any work
+    plt = plan.pyplot()
     labels = [f"{r.design} ({r.mode})" for r in result.rows]
     where = list(range(len(labels)))
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.4 * len(labels) + 1.5), sharey=True)
@@ -268,5 +337,4 @@ def plot(result: DemoResult, path: str) -> None:
     for ax in (left, right):
         ax.grid(True, axis="x", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return plan.save_png(fig, path)

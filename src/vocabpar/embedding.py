@@ -34,27 +34,33 @@ class VocabParallelEmbedding(VocabShardedMatrix):
     owner contributes only its rows to one all-gather) or ``auto`` (whichever moves fewer
     bytes for these ids: owner gather wins when ownership is balanced, the all-reduce when
     one rank owns most of them). ``oob``: ``error`` rejects ids outside ``[0, vocab_size)``;
-    ``zero`` returns zero rows for them (multimodal placeholders)."""
+    ``zero`` returns zero rows for them (multimodal placeholders). ``check``: before exchanging,
+    the ranks compare the id count and a fingerprint of the ids (:func:`vocabpar.comm.agree`:
+    one all-gather of 256 bytes per rank, one pass over the ids); ``None`` follows
+    ``VOCABPAR_CHECK``."""
 
     def __init__(self, layout: VocabLayout, embedding_dim: int, *, group: comm.ProcessGroup = None,
                  dtype: torch.dtype = torch.float32, exchange: str = "auto", oob: str = "error",
                  quantized: bool = False, compute_dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, check: bool | None = None) -> None:
         if exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
         if oob not in OOB_MODES:
             raise ValueError(f"oob must be one of {OOB_MODES}, got {oob!r}")
         super().__init__(layout, embedding_dim, group=group, dtype=dtype, quantized=quantized,
                          compute_dtype=compute_dtype, device=device, exchange=exchange, oob=oob)
-        self.embedding_dim, self.exchange, self.oob = embedding_dim, exchange, oob
+        self.embedding_dim, self.exchange, self.oob, self.check = embedding_dim, exchange, oob, check
         self.last_exchange: str | None = None  # what the latest forward used (for benchmarks)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = self._checked_ids(ids).reshape(-1)
         n = comm.world_size(self.group)
         if self.layout.scheme == "replicated" or n == 1:
+            flat = self._checked_ids(ids).reshape(-1)
             mode, packed = "none", self._local_rows(flat)
         else:
+            comm.agree("VocabParallelEmbedding", self.group,
+                       lambda: {"ids": self._checked_ids(ids).numel(), "token ids": ids}, check=self.check)
+            flat = ids.reshape(-1)
             mode, packed = self.exchange, None
             if mode != "all_reduce":  # ownership counts decide auto and shape the owner gather
                 owner = self.layout.owner(flat)
@@ -108,8 +114,9 @@ class VocabParallelEmbedding(VocabShardedMatrix):
         if not self.quantized:
             return raw.view(self.table.dtype)
         row_bytes = self.embedding_dim * self.table.element_size()
-        q = raw[:, :row_bytes].contiguous().view(self.table.dtype)
-        scale = raw[:, row_bytes:].contiguous().view(torch.float32).reshape(-1)
+        q = raw[:, :row_bytes].view(self.table.dtype)  # one-byte elements: any offset will do
+        scale = raw[:, row_bytes:].clone(memory_format=torch.contiguous_format)  # fresh, aligned
+        scale = scale.view(torch.float32).reshape(-1)
         return dequantize_rows(q, scale, self.compute_dtype)
 
     def _checked_ids(self, ids: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ rank(s); the collective timeout makes survivors of a dead peer fail instead of h
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -58,6 +59,9 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60
     ``timeout`` bounds every collective; ``run_timeout`` bounds the whole run. Under torchrun
     the process group comes from the environment, ``fn`` runs once in this process and the
     returned list holds this rank's result only."""
+    for name, seconds in (("timeout", timeout), ("run_timeout", run_timeout)):
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+            raise ValueError(f"{name} must be a positive finite number of seconds, got {seconds!r}")
     if under_torchrun():
         init_from_env(timeout)
         return [fn(*args, **kwargs)]

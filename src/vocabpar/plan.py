@@ -16,15 +16,34 @@ and FLOPs by throughput, without latency or overlap.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from vocabpar.layout import VocabLayout
+from vocabpar.wire import agreement_words
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 COLLECTIONS = ("all_gather", "gather", "dp_gather_scatter", "all_to_all", "none", "replicated")
 EMBEDDING_EXCHANGES = ("all_reduce", "owner_gather", "local")
 GREEDY_PAIR_BYTES = 8 + 8  # float64 value (the sampler ranks in float64) + int64 global id per row
+# Accepted [low, high] of each Workload field and of the headroom, in base units: wide enough for
+# any real model and cluster, narrow enough that every planned quantity is a finite number.
+LIMITS: dict[str, tuple[float, float]] = {
+    "vocab": (1, 2**31), "hidden": (1, 2**20), "ranks": (1, 2**16), "dp": (1, 2**16),
+    "batch": (0, 2**24), "tokens": (0, 2**31), "weight_dtype_bytes": (1, 8), "logits_dtype_bytes": (1, 8),
+    "pad_to": (1, 2**20), "bandwidth": (1e3, 1e18), "flops": (1e6, 1e21), "kv_bytes_per_token": (1e-3, 1e12),
+    "headroom": (0, 1e6 * GiB),
+}
+
+
+def check_limit(name: str, value: float) -> None:
+    """Raise ``ValueError`` unless ``value`` lies in ``LIMITS[name]`` (NaN never does)."""
+    low, high = LIMITS[name]
+    if not low <= value <= high:
+        span = ", ".join(str(x) if isinstance(x, int) else f"{x:g}" for x in (low, high))
+        raise ValueError(f"{name} must be in [{span}], got {value!r}")
 
 
 def dtype_bytes(name: str) -> int:
@@ -83,12 +102,12 @@ def embedding_exchange_bytes(mode: str, tokens: int, hidden: int, ranks: int, dt
     raise ValueError(f"unknown embedding exchange {mode!r}; expected one of {EMBEDDING_EXCHANGES}")
 
 
-def hidden_gather_bytes(batch: int, dp: int, hidden: int, dtype_bytes: int) -> int:
-    """DP attention feeding a sharded head: an all-gather of the row counts (one int64 per DP
-    rank, so ranks may bring different numbers of rows), then of each DP group's
-    ``ceil(B/dp)`` hidden rows: ``(dp-1)·(8 + ceil(B/dp)·H·b)``; zero when attention is
-    tensor-parallel (``dp=1``)."""
-    return (dp - 1) * (8 + -(-batch // dp) * hidden * dtype_bytes)
+def hidden_gather_bytes(batch: int, dp: int, hidden: int, dtype_bytes: int, checked: bool = False) -> int:
+    """DP attention feeding a sharded head: an all-gather of the row counts (so ranks may bring
+    different numbers of rows; a 3-word record per DP rank, or the whole 32-word agreement
+    record when the per-call checks are on), then of each DP group's ``ceil(B/dp)`` hidden rows:
+    ``(dp-1)·(8·w + ceil(B/dp)·H·b)``; zero when attention is tensor-parallel (``dp=1``)."""
+    return (dp - 1) * (8 * agreement_words(checked, 1) + -(-batch // dp) * hidden * dtype_bytes)
 
 
 def logits_collection_bytes(strategy: str, batch: int, vocab: int, ranks: int, dtype_bytes: int,
@@ -158,7 +177,8 @@ class Workload:
 
     ``batch``: rows needing logits per decode step over the group; ``tokens``: tokens per
     forward (prefill) for the embedding; ``dp``: data-parallel attention groups (1 = attention
-    TP); it must divide ``ranks``."""
+    TP); it must divide ``ranks``. Every numeric field lies in its ``LIMITS`` range, which keeps
+    every planned quantity finite."""
 
     vocab: int
     hidden: int
@@ -175,14 +195,8 @@ class Workload:
     pad_to: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("vocab", "hidden", "ranks", "dp", "weight_dtype_bytes", "logits_dtype_bytes",
-                     "pad_to", "bandwidth", "flops", "kv_bytes_per_token"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive finite number, got {value}")
-        for name in ("batch", "tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
+        for name in (n for n in LIMITS if n != "headroom"):
+            check_limit(name, getattr(self, name))
         if self.ranks % self.dp:
             raise ValueError(f"dp={self.dp} must divide ranks={self.ranks}")
 
@@ -300,14 +314,19 @@ class Recommendation:
 
 def recommend(costs: list[DesignCost], headroom_bytes: float | None = None) -> Recommendation:
     """The fastest design per decode step among those using the full rank count whose memory
-    above the leanest fits ``headroom_bytes`` (no limit when ``None``), with the reason."""
-    if headroom_bytes is not None and not (math.isfinite(headroom_bytes) and headroom_bytes >= 0):
-        raise ValueError(f"headroom must be a non-negative finite number, got {headroom_bytes / GiB:g} GiB")
+    above the leanest fits ``headroom_bytes`` (no limit when ``None``), with the reason.
+    ``ValueError`` when none fits (the leanest design overall may use fewer ranks)."""
+    if headroom_bytes is not None:
+        check_limit("headroom", headroom_bytes)
     ranks = max(c.ranks for c in costs)
     ranked = sorted((c for c in costs if c.ranks == ranks), key=lambda c: (c.step_time_s, c.memory_bytes))
     fits = [c for c in ranked if headroom_bytes is None or c.extra_memory_bytes <= headroom_bytes]
-    best = fits[0]
     leanest = min(ranked, key=lambda c: c.memory_bytes)
+    if not fits:
+        raise ValueError(f"no {ranks}-rank design fits a headroom of {human(headroom_bytes, 'ibytes')}: the "
+                         f"leanest, {leanest.name}, needs {human(leanest.extra_memory_bytes, 'ibytes')} more "
+                         f"per rank than {min(costs, key=lambda c: c.memory_bytes).name}")
+    best = fits[0]
     runner = next((c for c in fits[1:] if c.step_time_s > best.step_time_s), None)
     reason = (f"{best.name} has the shortest estimated decode step"
               f"{' within the headroom' if best is not ranked[0] else ''}: "
@@ -431,9 +450,18 @@ def is_study_shape(w: Workload) -> bool:
 
 
 # ---------------------------------------------------------------------- plot
-def plot(w: Workload, path: str, designs: tuple[Design, ...] = DESIGNS) -> None:
-    """Write a PNG: decode-step bytes received per rank vs batch size, and memory per rank
-    vs ranks, one line per design (needs the ``plot`` extra, matplotlib)."""
+def png_path(path: str) -> str:
+    """The file a plot named ``path`` is written to: ``path`` itself when it ends in ``.png``,
+    ``path + '.png'`` when it has no extension; any other extension, or a name that is no file
+    name (empty, ending in a separator or a dot), is a ``ValueError``."""
+    suffix = Path(path).suffix
+    if suffix.lower() not in ("", ".png") or not Path(path).name or path.endswith(("/", os.sep, ".")):
+        raise ValueError(f"{path!r} is not a .png file name")
+    return path if suffix else path + ".png"
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the non-interactive Agg backend (``ValueError`` when missing)."""
     try:
         import matplotlib
     except ImportError as e:
@@ -441,6 +469,23 @@ def plot(w: Workload, path: str, designs: tuple[Design, ...] = DESIGNS) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_png(fig, path: str) -> str:
+    """Write ``fig`` as a PNG to ``png_path(path)``, close it, and return that path."""
+    target = png_path(path)
+    fig.savefig(target, dpi=100, format="png")
+    pyplot().close(fig)
+    return target
+
+
+def plot(w: Workload, path: str, designs: tuple[Design, ...] = DESIGNS) -> str:
+    """Write a PNG: decode-step bytes received per rank vs batch size, and memory per rank
+    vs ranks, one line per design (needs the ``plot`` extra, matplotlib). Returns the path
+    written (see ``png_path``)."""
+    png_path(path)  # a bad name fails before any work
+    plt = pyplot()
     batches = [2**k for k in range(13)]
     ranks = [2**k for k in range(7)]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
@@ -461,5 +506,4 @@ def plot(w: Workload, path: str, designs: tuple[Design, ...] = DESIGNS) -> None:
     for ax in (left, right):
         ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return save_png(fig, path)

@@ -23,11 +23,17 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 QUANT_DTYPES = (torch.int8, *FP8_DTYPES)
 
 
-def quantize_rows(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row quantization to int8 or fp8: ``weight ≈ q.float() * scale[:, None]``."""
+def quantize_rows(weight: torch.Tensor, dtype: torch.dtype,
+                  first_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row quantization to int8 or fp8: ``weight ≈ q.float() * scale[:, None]``.
+    A row holding NaN or ±inf is rejected (``first_id``: the id of row 0, for the message)."""
     if dtype not in QUANT_DTYPES:
         raise ValueError(f"quantized storage must be one of {QUANT_DTYPES}, got {dtype}")
     w = weight.float()
+    bad = (~w.isfinite()).any(1).nonzero().flatten()
+    if bad.numel():
+        raise ValueError(f"cannot quantize: row {first_id + bad[0].item()} holds non-finite values "
+                         f"({bad.numel()} such row(s) among ids {first_id}..{first_id + w.shape[0] - 1})")
     top = 127.0 if dtype == torch.int8 else torch.finfo(dtype).max
     scale = w.abs().amax(dim=1) / top
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -112,22 +118,33 @@ class VocabShardedMatrix(nn.Module):
         self._check_shape("weight", tuple(weight.shape), (self.layout.vocab_size, self.dim))
         self._check_scale("scale", None if scale is None else tuple(scale.shape))
         for start, end, local in self.shard.ranges:
-            self._put(local, weight[start:end], None if scale is None else scale[start:end])
+            self._put(local, start, weight[start:end], None if scale is None else scale[start:end])
 
     @torch.no_grad()
     def load_safetensors(self, path: str, name: str, scale_name: str | None = None) -> None:
-        """Read only this rank's row ranges of tensor ``name`` from a safetensors file."""
+        """Read only this rank's row ranges of tensor ``name`` from a safetensors file. Every error
+        names the file (and the tensor)."""
         from safetensors import safe_open
 
-        with safe_open(path, framework="pt") as f:
-            if name not in f.keys():
-                raise KeyError(f"tensor {name!r} not in {path}; it has {sorted(f.keys())[:10]}")
-            sliced = f.get_slice(name)
-            self._check_shape(name, tuple(sliced.get_shape()), (self.layout.vocab_size, self.dim))
-            scales = f.get_slice(scale_name) if scale_name else None
-            self._check_scale(scale_name, None if scales is None else tuple(scales.get_shape()))
-            for start, end, local in self.shard.ranges:
-                self._put(local, sliced[start:end], scales[start:end] if scales is not None else None)
+        try:
+            with safe_open(path, framework="pt") as f:
+                for wanted in (name, scale_name):
+                    if wanted is not None and wanted not in f.keys():
+                        raise KeyError(f"tensor {wanted!r} not in {path}; it has {sorted(f.keys())[:10]}")
+                sliced = f.get_slice(name)
+                self._check_shape(f"{name} in {path}", tuple(sliced.get_shape()),
+                                  (self.layout.vocab_size, self.dim))
+                scales = f.get_slice(scale_name) if scale_name else None
+                self._check_scale(scale_name and f"{scale_name} in {path}",
+                                  None if scales is None else tuple(scales.get_shape()))
+                for start, end, local in self.shard.ranges:
+                    self._put(local, start, sliced[start:end], None if scales is None else scales[start:end])
+        except (KeyError, ValueError) as e:
+            if str(path) in str(e):
+                raise
+            raise type(e)(f"{path}: {e}") from e
+        except Exception as e:  # a missing, unreadable or corrupt file (OSError, SafetensorError)
+            raise ValueError(f"cannot read safetensors file {path}: {type(e).__name__}: {e}") from e
 
     def _check_scale(self, what: str | None, shape: tuple | None) -> None:
         if shape is None:
@@ -136,12 +153,13 @@ class VocabShardedMatrix(nn.Module):
             raise ValueError(f"{what}: per-row scales given for an unquantized table (rank {self.rank})")
         self._check_shape(what, shape, (self.layout.vocab_size,))
 
-    def _put(self, local: int, rows: torch.Tensor, scale: torch.Tensor | None) -> None:
-        """Store ``rows`` at local row ``local`` (quantizing them when no scales are given)."""
+    def _put(self, local: int, first_id: int, rows: torch.Tensor, scale: torch.Tensor | None) -> None:
+        """Store ``rows`` (token ids from ``first_id``) at local row ``local``, quantizing them
+        when no scales are given."""
         if self.quantized and scale is None:
             if rows.dtype in QUANT_DTYPES:
                 raise ValueError(f"already-quantized rows ({rows.dtype}) need their per-row scales")
-            rows, scale = quantize_rows(rows, self.storage.dtype)
+            rows, scale = quantize_rows(rows, self.storage.dtype, first_id)
         elif scale is not None and rows.dtype != self.storage.dtype:
             raise ValueError(f"rows given with scales must already be {self.storage.dtype}, got "
                              f"{rows.dtype} (pass float rows without scales to quantize them)")

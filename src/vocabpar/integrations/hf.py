@@ -16,25 +16,32 @@ on the unmodified model (its own embedding and ``lm_head``): the single-device o
 
 from __future__ import annotations
 
+import functools
 import inspect
+import itertools
+import numbers
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from vocabpar import comm
-from vocabpar.collect import broadcast_tokens, compute_logits
+from vocabpar.collect import broadcast_tokens, compute_logits, iter_logits
 from vocabpar.embedding import VocabParallelEmbedding
 from vocabpar.head import ParallelLMHead, select_rows
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling import SamplingParams, TokenCounts, reference_sample, sample
+from vocabpar.sampling.params import ROW_FIELDS
+from vocabpar.scoring import TokenLogprobs, token_logprobs
 
 COLLECT = ("all_gather", "gather", "all_to_all", "dp_gather_scatter", "replicated", "none")
 GREEDY = SamplingParams(temperature=0.0)
 
 NextTokens = Callable[[torch.Tensor, SamplingParams, torch.Tensor, TokenCounts | None], torch.Tensor]
+Scorer = Callable[[torch.Tensor, torch.Tensor], TokenLogprobs]  # (hidden rows, target ids) -> scores
+SCORE_ROWS = 256  # hidden rows whose logits one scoring chunk computes
 
 
 @dataclass
@@ -42,12 +49,14 @@ class Generation:
     """What a decode loop returns (the same on every rank): ``tokens[b]``, the new ids of prompt
     b; per step (step 0 is the prefill) ``inputs`` (the ids fed to the embedding, ``[B, T]``),
     the wall time, and the bytes this rank received by collective kind (the exchange of sampled
-    ids is booked as ``"sampled_ids"``; the handshake is left out)."""
+    ids is booked as ``"sampled_ids"``; the handshake and agreement checks are left out);
+    ``prompt_logprobs[b]`` (when asked for): the scores of prompt b's tokens 1.., ``[len - 1]``."""
 
     tokens: list[list[int]]
     inputs: list[torch.Tensor]
     step_seconds: list[float]
     step_received: list[dict[str, int]]
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -67,12 +76,43 @@ class ParallelCausalLM:
         return self.embedding.layout
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None,
-                 max_new_tokens: int = 16) -> Generation:
+                 max_new_tokens: int = 16, *, prompt_logprobs: int | None = None) -> Generation:
         """``max_new_tokens`` new tokens for every prompt (no stop tokens); ``params`` ``None``
         is greedy. Sampling is keyed on (seed, position, token id), so the tokens do not depend
-        on the number of ranks, the strategy or the batch."""
+        on the number of ranks, the strategy or the batch. ``prompt_logprobs=n``: also score
+        every prompt's tokens 1.. (with the top ``n``) during the prefill, on the shards
+        (:meth:`score`'s arithmetic); ``Generation.prompt_logprobs[b]`` holds prompt b's."""
+        scorer = None if prompt_logprobs is None else functools.partial(self._score_rows,
+                                                                         top_n=prompt_logprobs)
         return _decode(self.model, self.embedding, self.layout.vocab_size, self._next_tokens, prompts, params,
-                       max_new_tokens)
+                       max_new_tokens, scorer)
+
+    @torch.inference_mode()
+    def score(self, input_ids: torch.Tensor, *, top_n: int = 0, max_rows: int = SCORE_ROWS) -> TokenLogprobs:
+        """Log-probabilities of ``input_ids`` (int64 ``[B, L]``, ``L >= 2``, no padding) under the
+        model: fields ``[B, L - 1]`` (``top_*``: ``[B, L - 1, top_n]``) for the predictions of
+        tokens 1..L-1. Logits are computed ``max_rows`` hidden rows at a time and never
+        gathered, so no rank holds more than one ``[max_rows, V/n]`` block of them."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long or input_ids.dim() != 2 \
+                or input_ids.shape[1] < 2:
+            raise ValueError(f"input_ids must be an int64 [B, L] tensor with L >= 2, got "
+                             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}"
+                             f"{tuple(getattr(input_ids, 'shape', ()))}")
+        B, L = input_ids.shape
+        device = next(self.model.parameters()).device
+        ids = input_ids.to(device)
+        states = self.model.base_model(inputs_embeds=self.embedding(ids), use_cache=False).last_hidden_state
+        hidden = states[:, :-1].reshape(B * (L - 1), states.shape[-1])
+        scores = self._score_rows(hidden, ids[:, 1:].reshape(-1), top_n, max_rows)
+        return scores.map(lambda t: t.reshape(B, L - 1, *t.shape[1:]))
+
+    def _score_rows(self, hidden: torch.Tensor, targets: torch.Tensor, top_n: int,
+                    max_rows: int = SCORE_ROWS) -> TokenLogprobs:
+        """:func:`token_logprobs` of ``targets`` under the logits of ``hidden``, chunk by chunk."""
+        parts = [token_logprobs(local, self.layout, targets[rows], top_n=top_n, group=self.group)
+                 for rows, local in iter_logits(self.head, hidden, strategy="none", group=self.group,
+                                                max_rows=max_rows)]
+        return TokenLogprobs.concat(parts)
 
     def _next_tokens(self, hidden: torch.Tensor, params: SamplingParams, positions: torch.Tensor,
                      counts: TokenCounts | None) -> torch.Tensor:
@@ -168,17 +208,44 @@ def reference_generate(model: nn.Module, prompts: Sequence[Sequence[int]],
                    params, max_new_tokens)
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids, attention_mask)``, both int64 ``[B, longest]``, prompts right-aligned."""
-    if not prompts or any(len(p) == 0 for p in prompts):
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int,
+             vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, attention_mask)``, both int64 ``[B, longest]``, prompts right-aligned. Every id
+    must be an integer (not a bool) in ``[0, vocab_size)`` (``[0, 2**63)`` when ``vocab_size``
+    is ``None``); otherwise ``ValueError`` names the prompt."""
+    if not prompts:
         raise ValueError("prompts must be a non-empty list of non-empty token id lists")
-    longest = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), longest), dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, longest - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
-        mask[b, longest - len(p):] = 1
+    rows = [_prompt_ids(b, p, vocab_size) for b, p in enumerate(prompts)]
+    longest = max(r.numel() for r in rows)
+    ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), longest), dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, longest - r.numel():] = r
+        mask[b, longest - r.numel():] = 1
     return ids, mask
+
+
+def _prompt_ids(b: int, prompt: Sequence[int], vocab_size: int | None) -> torch.Tensor:
+    """Prompt ``b`` as int64 ids; a non-integer id is an error, never truncated."""
+    if isinstance(prompt, torch.Tensor):
+        integral = prompt.dim() == 1 and not (prompt.is_floating_point() or prompt.is_complex()
+                                              or prompt.dtype == torch.bool)
+        values = prompt.tolist()
+    else:
+        try:
+            values = list(prompt)
+        except TypeError:
+            raise ValueError(f"prompt {b}: expected a sequence of token ids, "
+                             f"got {type(prompt).__name__}") from None
+        integral = all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values)
+    if not integral:
+        raise ValueError(f"prompt {b}: token ids must be integers, got {prompt!r:.100}")
+    if len(values) == 0:
+        raise ValueError(f"prompt {b} is empty: prompts must be non-empty token id lists")
+    limit = 2**63 if vocab_size is None else vocab_size
+    if not all(0 <= v < limit for v in values):
+        raise ValueError(f"prompt {b}: token ids must be in [0, {limit}), got {prompt!r:.100}")
+    return torch.as_tensor(values, dtype=torch.long)
 
 
 def pad_id(config: object) -> int:
@@ -198,11 +265,11 @@ def pad_id(config: object) -> int:
 @torch.inference_mode()
 def _decode(model: nn.Module, embed: nn.Module, vocab: int, next_tokens: NextTokens,
             prompts: Sequence[Sequence[int]], params: SamplingParams | None,
-            max_new_tokens: int) -> Generation:
+            max_new_tokens: int, scorer: Scorer | None = None) -> Generation:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     params = GREEDY if params is None else params
-    ids, mask = left_pad(prompts, pad_id(model.config))
+    ids, mask = left_pad(prompts, pad_id(model.config), vocab)
     device = next(model.parameters()).device
     ids, mask = ids.to(device), mask.to(device)
     position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as transformers' generate
@@ -220,9 +287,11 @@ def _decode(model: nn.Module, embed: nn.Module, vocab: int, next_tokens: NextTok
         result = body(inputs_embeds=embed(inputs), attention_mask=mask, position_ids=position_ids,
                       use_cache=True, **{cache_key: cache})
         cache, states = getattr(result, cache_key), result.last_hidden_state
+        if scorer is not None and not out.inputs:  # the prefill: score the prompts' own tokens
+            out.prompt_logprobs = _score_prompts(scorer, states, ids, prompts)
         last = select_rows(states.reshape(-1, states.shape[-1]),
                            seq_lens=torch.full((B,), states.shape[1], device=device))
-        counts = TokenCounts.from_history(history) if penalised else None
+        counts = TokenCounts.from_history(history, prompts) if penalised else None
         tokens = next_tokens(last, params, positions, counts)
         out.step_seconds.append(time.perf_counter() - start)
         out.step_received.append(_received_since(before))
@@ -237,14 +306,26 @@ def _decode(model: nn.Module, embed: nn.Module, vocab: int, next_tokens: NextTok
     return out
 
 
+def _score_prompts(scorer: Scorer, states: torch.Tensor, ids: torch.Tensor,
+                   prompts: Sequence[Sequence[int]]) -> list[TokenLogprobs]:
+    """Per prompt, the scores of its tokens 1.. from the prefill's (left-padded) hidden states."""
+    longest = ids.shape[1]
+    rows = [(b, j) for b, p in enumerate(prompts) for j in range(longest - len(p), longest - 1)]
+    b, j = torch.tensor(rows, dtype=torch.long, device=ids.device).reshape(-1, 2).unbind(1)
+    scores = scorer(states[b, j], ids[b, j + 1])
+    ends = list(itertools.accumulate(len(p) - 1 for p in prompts))
+    spans = [slice(end - len(p) + 1, end) for p, end in zip(prompts, ends)]
+    return [scores.map(lambda t, span=span: t[span]) for span in spans]
+
+
 def _sample_rows(full: torch.Tensor, params: SamplingParams, positions: torch.Tensor,
                  counts: TokenCounts | None, rows: slice) -> torch.Tensor:
     """Reference-sample the logits ``full`` of batch rows ``rows`` (per-row values sliced)."""
     if full.shape[0] == 0:
         return torch.empty(0, dtype=torch.long, device=full.device)
-    sliced = {f.name: torch.as_tensor(getattr(params, f.name))[rows] for f in fields(params)
-              if f.name != "logprobs" and torch.as_tensor(getattr(params, f.name)).dim() == 1}
-    part = None if counts is None else TokenCounts(counts.ids[rows], counts.counts[rows])
+    sliced = {name: torch.as_tensor(getattr(params, name))[rows] for name in ROW_FIELDS
+              if torch.as_tensor(getattr(params, name)).dim() == 1}
+    part = None if counts is None else counts.select(rows)
     return reference_sample(full, replace(params, **sliced), positions=positions[rows],
                             token_counts=part).tokens
 
@@ -260,4 +341,4 @@ def _received_since(before: dict[str, comm.Counter]) -> dict[str, int]:
         return before[kind].received if kind in before else 0
 
     return {kind: c.received - prior(kind) for kind, c in comm.traffic().items()
-            if kind != "handshake" and c.received != prior(kind)}
+            if kind not in comm.OVERHEAD and c.received != prior(kind)}

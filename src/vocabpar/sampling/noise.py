@@ -15,21 +15,8 @@ import functools
 
 import torch
 
-M32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``x * c mod 2**32`` for ``0 <= x < 2**32`` without any int64 overflow."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & M32
-
-
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 32-bit finaliser: a bijection with full avalanche."""
-    h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
+from vocabpar.hashing import M32
+from vocabpar.hashing import fmix32 as _fmix32
 
 
 def row_keys(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
+import reprlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,14 +23,32 @@ preserves the strict order and the ties of the float32 logits."""
 
 Value = float | int | Sequence[float] | torch.Tensor
 
+LOGPROBS_OF = ("raw", "processed")
+"""``raw``: log-softmax of the logits as given (vLLM's default); ``processed``: of what the row
+was drawn from -- after penalties and bitmask, and for sampled rows after temperature and the
+top-k / top-p / min-p filters (tokens filtered out have -inf)."""
+
+FILTER_ORDERS = ("hf", "vllm")
+"""``hf``: top-k, top-p, min-p (top-p's mass is over the top-k set); ``vllm``: min-p before top-p
+(top-p's mass is over the tokens that pass both top-k and min-p)."""
+
+INT64_BOUND = 2**63
+
+ROW_FIELDS = {"temperature": torch.float64, "top_k": torch.int64, "top_p": torch.float64,
+              "min_p": torch.float64, "repetition_penalty": torch.float32, "presence_penalty": torch.float32,
+              "frequency_penalty": torch.float32, "seed": torch.int64}
+"""The per-row fields of :class:`SamplingParams` and the dtype each resolves to."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-row sampling parameters; a scalar applies to every row.
 
-    ``temperature`` 0 (or below :data:`GREEDY_BELOW`) is greedy; ``top_k`` 0, ``top_p`` 1 and
-    ``min_p`` 0 are off; penalties 1 / 0 / 0 are off. ``logprobs`` is batch-wide: ``None`` (no
-    logprobs) or the number ``n >= 0`` of top logprobs to return with the chosen token's."""
+    ``temperature`` 0 (or below :data:`GREEDY_BELOW`) is greedy; ``top_k`` 0 or -1, ``top_p`` 1
+    and ``min_p`` 0 are off; penalties 1 / 0 / 0 are off. ``logprobs``: ``None`` (no logprobs), the
+    number ``n >= 0`` of top logprobs to return with the chosen token's, or one such value per
+    row. ``logprobs_of`` (one of :data:`LOGPROBS_OF`) and ``filter_order`` (one of
+    :data:`FILTER_ORDERS`) are batch-wide."""
 
     temperature: Value = 1.0
     top_k: Value = 0
@@ -39,53 +58,71 @@ class SamplingParams:
     presence_penalty: Value = 0.0
     frequency_penalty: Value = 0.0
     seed: Value = 0
-    logprobs: int | None = None
+    logprobs: int | None | Sequence[int | None] = None
+    logprobs_of: str = "raw"
+    filter_order: str = "hf"
 
     def resolve(self, batch: int, vocab_size: int) -> Rows:
         """Broadcast to ``batch`` rows and validate; raises ``ValueError`` naming row and field."""
         def column(name: str, dtype: torch.dtype) -> torch.Tensor:
             value = getattr(self, name)
-            t = torch.as_tensor(value, dtype=torch.float64 if dtype.is_floating_point else None)
+            kind = "real numbers" if dtype.is_floating_point else "integers in [-2**63, 2**63)"
+            try:
+                t = torch.as_tensor(value, dtype=torch.float64 if dtype.is_floating_point else None)
+            except (TypeError, ValueError, RuntimeError, OverflowError):
+                t = None
+            if t is None or t.is_complex():
+                raise ValueError(f"{name}: expected a scalar or {batch} {kind}, got {reprlib.repr(value)}")
             if t.dim() == 0:
                 t = t.expand(batch)
             if t.shape != (batch,):
                 raise ValueError(f"{name}: expected a scalar or {batch} values, got shape {tuple(t.shape)}")
             if not dtype.is_floating_point and t.dtype.is_floating_point:
-                bad = (t != t.round()).nonzero().flatten()
+                bad = ((t != t.round()) | (t.abs() >= INT64_BOUND)).nonzero().flatten()  # NaN is bad too
                 if bad.numel():
                     r = bad[0].item()
-                    raise ValueError(f"row {r}: {name} must be an integer, got {t[r].item()}")
+                    raise ValueError(f"row {r}: {name} must be an integer in [-2**63, 2**63), "
+                                     f"got {t[r].item()}")
             return t.to(dtype=dtype, device=torch.empty(0).device)  # the current default device
 
-        rows = Rows(
-            temperature=column("temperature", torch.float64), top_k=column("top_k", torch.int64),
-            top_p=column("top_p", torch.float64), min_p=column("min_p", torch.float64),
-            repetition_penalty=column("repetition_penalty", torch.float32),
-            presence_penalty=column("presence_penalty", torch.float32),
-            frequency_penalty=column("frequency_penalty", torch.float32),
-            seed=column("seed", torch.int64), logprobs=self.logprobs)
+        for name, choices in (("filter_order", FILTER_ORDERS), ("logprobs_of", LOGPROBS_OF)):
+            if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        cols = {name: column(name, dtype) for name, dtype in ROW_FIELDS.items()}
         checks = (
-            ("temperature", rows.temperature, lambda t: (t >= 0) & (t <= MAX_TEMPERATURE),
+            ("temperature", lambda t: (t >= 0) & (t <= MAX_TEMPERATURE),
              f"must be in [0, {MAX_TEMPERATURE:g}]"),
-            ("top_k", rows.top_k, lambda k: k >= 0, "must be >= 0"),
-            ("top_p", rows.top_p, lambda p: (p > 0) & (p <= 1), "must be in (0, 1]"),
-            ("min_p", rows.min_p, lambda p: (p >= 0) & (p <= 1), "must be in [0, 1]"),
-            ("repetition_penalty", rows.repetition_penalty, lambda r: (r > 0) & r.isfinite(),
-             "must be finite and > 0"),
-            ("presence_penalty", rows.presence_penalty, torch.isfinite, "must be finite"),
-            ("frequency_penalty", rows.frequency_penalty, torch.isfinite, "must be finite"),
-            ("seed", rows.seed, lambda s: s >= 0, "must be >= 0"),
+            ("top_k", lambda k: k >= -1, "must be >= -1 (0 and -1 are off)"),
+            ("top_p", lambda p: (p > 0) & (p <= 1), "must be in (0, 1]"),
+            ("min_p", lambda p: (p >= 0) & (p <= 1), "must be in [0, 1]"),
+            ("repetition_penalty", lambda r: (r > 0) & r.isfinite(), "must be finite and > 0"),
+            ("presence_penalty", torch.isfinite, "must be finite"),
+            ("frequency_penalty", torch.isfinite, "must be finite"),
+            ("seed", lambda s: s >= 0, "must be >= 0"),
         )
-        for name, t, ok, rule in checks:
+        for name, ok, rule in checks:
+            t = cols[name]
             bad = (~ok(t)).nonzero().flatten()  # NaN fails every rule
             if bad.numel():
                 r = bad[0].item()
                 raise ValueError(f"row {r}: {name} {rule}, got {t[r].item()}")
-        n = self.logprobs
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= vocab_size):
-            raise ValueError(f"logprobs must be None or an int in [0, vocab_size={vocab_size}], "
-                             f"got {self.logprobs!r}")
-        return rows
+        cols["top_k"] = cols["top_k"].clamp(min=0)  # -1 is vLLM's "off", our 0
+        return Rows(**cols, logprobs=self._logprob_counts(batch, vocab_size), logprobs_of=self.logprobs_of,
+                    filter_order=self.filter_order)
+
+    def _logprob_counts(self, batch: int, vocab_size: int) -> torch.Tensor | None:
+        """int64 ``[B]`` top-logprob counts, -1 for rows that want none; ``None`` if no row does."""
+        per_row = self.logprobs if isinstance(self.logprobs, (list, tuple)) else [self.logprobs] * batch
+        if len(per_row) != batch:
+            raise ValueError(f"logprobs: expected None, an int or {batch} values, got {len(per_row)} values")
+        for r, n in enumerate(per_row):
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= vocab_size):
+                raise ValueError(f"row {r}: logprobs must be None or an int in [0, vocab_size={vocab_size}], "
+                                 f"got {n!r}")
+        if self.logprobs is None or (per_row and all(n is None for n in per_row)):
+            return None
+        return torch.tensor([-1 if n is None else n for n in per_row], dtype=torch.long,
+                            device=torch.empty(0).device)
 
 
 @dataclass(frozen=True)
@@ -100,7 +137,14 @@ class Rows:
     presence_penalty: torch.Tensor  # float32
     frequency_penalty: torch.Tensor  # float32
     seed: torch.Tensor  # int64
-    logprobs: int | None
+    logprobs: torch.Tensor | None  # int64, -1 = none for this row; None: no row wants any
+    logprobs_of: str
+    filter_order: str
+
+    @property
+    def top_n(self) -> int:
+        """The most top logprobs any row asked for (0 when none or no rows)."""
+        return int(self.logprobs.max()) if self.logprobs is not None and self.logprobs.numel() else 0
 
     @property
     def greedy(self) -> torch.Tensor:
@@ -109,32 +153,55 @@ class Rows:
 
 @dataclass(frozen=True)
 class TokenCounts:
-    """What each row has generated so far, without a ``[B, V]`` tensor: ``ids`` (int64 ``[B, K]``,
-    unique per row, -1 = empty slot) and how often each occurred (``counts``, int64 ``[B, K]``)."""
+    """The tokens each row has seen, without a ``[B, V]`` tensor: ``ids`` (int64 ``[B, K]``,
+    unique per row, -1 = empty slot), how often each was generated (``counts``, int64 ``[B, K]``)
+    and, optionally, whether it occurs in the row's prompt (``in_prompt``, bool ``[B, K]``, False
+    at empty slots; ``None``: no prompt tokens). Repetition penalises tokens in the prompt or
+    generated; presence and frequency only generated ones."""
 
     ids: torch.Tensor
     counts: torch.Tensor
+    in_prompt: torch.Tensor | None = None
 
     @classmethod
-    def from_history(cls, histories: Sequence[Sequence[int]]) -> TokenCounts:
-        """Counts from each row's generated token ids."""
-        per_row = [torch.unique(torch.as_tensor(list(h), dtype=torch.long), return_counts=True)
-                   for h in histories]
-        width = max([ids.numel() for ids, _ in per_row], default=0)
-        ids = torch.full((len(per_row), width), -1, dtype=torch.long)
-        counts = torch.zeros((len(per_row), width), dtype=torch.long)
-        for b, (i, c) in enumerate(per_row):
-            ids[b, : i.numel()], counts[b, : c.numel()] = i, c
-        return cls(ids, counts)
+    def from_history(cls, histories: Sequence[Sequence[int]],
+                     prompts: Sequence[Sequence[int]] | None = None) -> TokenCounts:
+        """Counts from each row's generated token ids and, when given, its prompt's ids."""
+        if prompts is not None and len(prompts) != len(histories):
+            raise ValueError(f"token_counts: {len(histories)} histories but {len(prompts)} prompts")
+        rows = []
+        for b, h in enumerate(histories):
+            generated = torch.as_tensor(list(h), dtype=torch.long)
+            prompt = torch.as_tensor([] if prompts is None else list(prompts[b]), dtype=torch.long)
+            ids, slot = torch.unique(torch.cat([generated, prompt]), return_inverse=True)
+            n = generated.numel()
+            seen = torch.zeros(ids.numel(), dtype=torch.bool)
+            seen[slot[n:]] = True
+            rows.append((ids, torch.bincount(slot[:n], minlength=ids.numel()), seen))
+        width = max([ids.numel() for ids, _, _ in rows], default=0)
+        ids = torch.full((len(rows), width), -1, dtype=torch.long)
+        counts = torch.zeros((len(rows), width), dtype=torch.long)
+        in_prompt = torch.zeros((len(rows), width), dtype=torch.bool)
+        for b, (i, c, p) in enumerate(rows):
+            ids[b, : i.numel()], counts[b, : i.numel()], in_prompt[b, : i.numel()] = i, c, p
+        return cls(ids, counts, None if prompts is None else in_prompt)
 
     def check(self, batch: int, vocab_size: int) -> None:
-        ids, counts = self.ids, self.counts
+        """Raise ``ValueError`` naming the first problem: shapes and dtypes, ids outside
+        ``[-1, vocab_size)``, negative counts, repeated ids, prompt flags on empty slots."""
+        ids, counts, in_prompt = self.ids, self.counts, self.in_prompt
         if ids.dtype != torch.long or counts.dtype != torch.long or ids.dim() != 2 \
                 or ids.shape != counts.shape or ids.shape[0] != batch:
             raise ValueError(f"token_counts: ids and counts must be int64 [{batch}, K] tensors of one shape, "
                              f"got {ids.dtype}{tuple(ids.shape)} and {counts.dtype}{tuple(counts.shape)}")
-        for what, bad in (("ids must be in [-1, vocab_size)", (ids < -1) | (ids >= vocab_size)),
-                          ("counts must be >= 0", counts < 0)):
+        if in_prompt is not None and (in_prompt.dtype != torch.bool or in_prompt.shape != ids.shape):
+            raise ValueError(f"token_counts: in_prompt must be None or a bool tensor of the shape of ids "
+                             f"{tuple(ids.shape)}, got {in_prompt.dtype}{tuple(in_prompt.shape)}")
+        problems = [("ids must be in [-1, vocab_size)", (ids < -1) | (ids >= vocab_size)),
+                    ("counts must be >= 0", counts < 0)]
+        if in_prompt is not None:
+            problems.append(("in_prompt must be False at empty slots (id -1)", in_prompt & (ids < 0)))
+        for what, bad in problems:
             rows = bad.any(1).nonzero().flatten()
             if rows.numel():
                 raise ValueError(f"row {rows[0].item()}: token_counts {what} (vocab_size={vocab_size})")
@@ -142,6 +209,17 @@ class TokenCounts:
         dup = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(1).nonzero().flatten()
         if dup.numel():
             raise ValueError(f"row {dup[0].item()}: token_counts ids must be unique per row")
+
+    def to(self, device: torch.device) -> TokenCounts:
+        """The same counts on ``device``."""
+        return self._map(lambda t: t.to(device))
+
+    def select(self, rows: slice) -> TokenCounts:
+        """The counts of batch rows ``rows``."""
+        return self._map(lambda t: t[rows])
+
+    def _map(self, f: Callable[[torch.Tensor], torch.Tensor]) -> TokenCounts:
+        return TokenCounts(f(self.ids), f(self.counts), None if self.in_prompt is None else f(self.in_prompt))
 
 
 def check_positions(positions: torch.Tensor | Sequence[int], batch: int) -> torch.Tensor:
@@ -171,6 +249,5 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
 def to_device(device: torch.device, positions: torch.Tensor, token_counts: TokenCounts | None,
               bitmask: torch.Tensor | None) -> tuple[torch.Tensor, TokenCounts | None, torch.Tensor | None]:
     """The caller's per-row inputs on the logits' device."""
-    counts = None if token_counts is None else TokenCounts(token_counts.ids.to(device),
-                                                           token_counts.counts.to(device))
+    counts = None if token_counts is None else token_counts.to(device)
     return positions.to(device), counts, None if bitmask is None else bitmask.to(device)

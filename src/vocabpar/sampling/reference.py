@@ -1,15 +1,20 @@
 """The single-device oracle: the sampling semantics written for clarity, on full ``[B, V]`` logits.
 
-1. Penalties, then the bitmask (disallowed -> -inf); NaN rows and rows with nothing allowed
-   raise ``ValueError`` naming them.
+1. Penalties (repetition over prompt and generated tokens; presence and frequency over generated
+   ones), then the bitmask (disallowed -> -inf); NaN rows and rows with nothing allowed raise
+   ``ValueError`` naming them.
 2. Greedy rows (temperature < ``GREEDY_BELOW``): argmax, ties -> lowest id.
-3. Otherwise ``z = x / temperature``; top-k keeps ``x >= `` the k-th largest (ties kept); top-p
-   keeps ``x >= tau``, tau the value at which the descending cumulative (exact integer) mass
-   within the top-k set first reaches ``ceil(top_p * mass(top-k set))``; min-p keeps
-   ``z >= zmax + ln(min_p)``. The token is the argmax of ``z + G(seed, position, id)`` over the
-   kept tokens, ties -> lowest id. A row whose max is +inf takes its lowest +inf id (what
-   Gumbel-max gives in IEEE arithmetic).
-4. Logprobs: log-softmax of the raw logits.
+3. Otherwise ``z = x / temperature``; top-k keeps ``x >= `` the k-th largest (ties kept); min-p
+   keeps ``z >= zmax + ln(min_p)``; top-p keeps ``x >= tau``, tau the value at which the
+   descending cumulative (exact integer) mass of the pool first reaches
+   ``ceil(top_p * mass(pool))``. The pool is the top-k set (``filter_order="hf"``, Hugging Face's
+   order) or the tokens passing top-k and min-p (``"vllm"``). The token is the argmax of
+   ``z + G(seed, position, id)`` over the kept tokens (:func:`kept_tokens`), ties -> lowest id.
+   A row whose max is +inf takes its lowest +inf id (what Gumbel-max gives in IEEE arithmetic).
+4. Logprobs: log-softmax, in float64 as ``(x - max) - log(sum(exp(x - max)))``, of the raw
+   logits or (``logprobs_of="processed"``) of what the row was drawn from
+   (:func:`~vocabpar.sampling.semantics.drawn_logits`); the top-n are ordered by that logit,
+   ties -> lowest id; the rank counts strictly larger logits.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from vocabpar.sampling.params import (
+    Rows,
     SamplingParams,
     TokenCounts,
     check_bitmask,
@@ -27,11 +33,14 @@ from vocabpar.sampling.params import (
 from vocabpar.sampling.semantics import (
     SampleOutput,
     check_rows,
+    drawn_logits,
     gumbel_argmax,
     mass,
     min_p_threshold,
     processed_logits,
+    top_p_pool,
     top_p_target,
+    with_logprobs,
 )
 
 
@@ -63,33 +72,42 @@ def _reference_on_device(full_logits, params, positions, token_counts, bitmask) 
 
     tokens = x.argmax(1)  # first maximum = lowest id; final for greedy and +inf rows
     sampled = ~rows.greedy & (xmax < float("inf"))
+    keep = torch.ones_like(x, dtype=torch.bool)
     for b in sampled.nonzero().flatten().tolist():
-        tokens[b] = _sample_row(x[b], b, rows, positions)
-    out = SampleOutput(tokens)
-    if rows.logprobs is not None:
-        logp = torch.log_softmax(full_logits.double(), 1)
-        order = torch.sort(logp, dim=1, descending=True, stable=True).indices[:, : rows.logprobs]
-        out = SampleOutput(tokens, logp.gather(1, tokens[:, None])[:, 0].float(), order,
-                           logp.gather(1, order).float())
-    return out
+        keep[b] = kept_tokens(x[b], rows, b)
+        tokens[b] = _sample_row(x[b], keep[b], b, rows, positions)
+    if rows.logprobs is None:
+        return SampleOutput(tokens)
+    source = full_logits if rows.logprobs_of == "raw" else drawn_logits(x, rows.temperature, keep, sampled)
+    logp = torch.log_softmax(source.double(), 1)
+    chosen = source.gather(1, tokens[:, None])
+    # by logit value, ties by lowest id: the logprob order without the ties rounding x - max creates
+    order = torch.sort(source, dim=1, descending=True, stable=True).indices[:, : rows.top_n]
+    return with_logprobs(tokens, rows.logprobs, logp.gather(1, tokens[:, None])[:, 0].float(),
+                         1 + (source > chosen).sum(1), order, logp.gather(1, order).float())
 
 
-def _sample_row(x: torch.Tensor, b: int, rows, positions: torch.Tensor) -> int:
+def kept_tokens(x: torch.Tensor, rows: Rows, b: int) -> torch.Tensor:
+    """Bool ``[V]``: the tokens that row ``b`` of the processed logits ``x`` (``[V]``, finite max)
+    may sample after top-k, top-p and min-p, in the order ``rows.filter_order``."""
     V = x.numel()
     z = x.double() / rows.temperature[b]
     zmax = z.max()
-    keep = torch.ones(V, dtype=torch.bool)
     k = int(rows.top_k[b])
-    if 0 < k < V:
-        keep &= x >= x.sort(descending=True).values[k - 1]
+    kappa = x.sort(descending=True).values[k - 1] if 0 < k < V else torch.tensor(float("-inf"))
+    m = min_p_threshold(zmax, rows.min_p[b])
+    keep = (x >= kappa) & (z >= m)
     if rows.top_p[b] < 1:
-        q = torch.where(keep, mass(z, zmax, V), 0)
+        q = torch.where(top_p_pool(x, z, kappa, m, rows.filter_order), mass(z, zmax, V), 0)
         target = top_p_target(q.sum(), rows.top_p[b])
         order = x.sort(descending=True, stable=True).indices
         first = int((q[order].cumsum(0) < target).sum())
         keep &= x >= x[order[first]]
-    keep &= z >= min_p_threshold(zmax, rows.min_p[b])
+    return keep
+
+
+def _sample_row(x: torch.Tensor, keep: torch.Tensor, b: int, rows: Rows, positions: torch.Tensor) -> int:
     ids = keep.nonzero().flatten()
-    row = torch.full_like(ids, b)
-    _, arg = gumbel_argmax(row, ids, z[ids], rows, positions, rows.seed.numel())
+    z = x[ids].double() / rows.temperature[b]
+    _, arg = gumbel_argmax(torch.full_like(ids, b), ids, z, rows, positions, rows.seed.numel())
     return int(arg[b])

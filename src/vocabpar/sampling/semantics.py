@@ -25,28 +25,57 @@ PAD_KEY = -(2**31)  # below the key of -inf: padding sorts after every real toke
 
 @dataclass(frozen=True)
 class SampleOutput:
-    """``tokens`` (int64 ``[B]``), identical on every rank. With ``logprobs=n``: the chosen
-    token's log-probability (float32 ``[B]``) and the top-n ids / logprobs (``[B, n]``, sorted by
-    value, ties by id), all from the log-softmax of the raw logits."""
+    """``tokens`` (int64 ``[B]``), identical on every rank. With ``logprobs``: the chosen token's
+    log-probability (float32 ``[B]``) and rank (int64 ``[B]``, 1 + tokens with a strictly larger
+    logit), and the top-n ids / logprobs (``[B, n]``, n the largest count asked, sorted by value,
+    ties by lowest id), from the log-softmax of the raw or processed logits (``logprobs_of``).
+    Rows that asked fewer have id -1 and logprob NaN past their count; rows that asked none have
+    NaN / rank -1 too."""
 
     tokens: torch.Tensor
     logprob: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
+    rank: torch.Tensor | None = None
+
+    def top(self, row: int) -> list[tuple[int, float]]:
+        """Row ``row``'s top list as (id, logprob) pairs, as long as the row asked."""
+        pairs = zip(self.top_ids[row].tolist(), self.top_logprobs[row].tolist())
+        return [(i, lp) for i, lp in pairs if i >= 0]
+
+
+def with_logprobs(tokens: torch.Tensor, counts: torch.Tensor, logprob: torch.Tensor, rank: torch.Tensor,
+                  top_ids: torch.Tensor, top_logprobs: torch.Tensor) -> SampleOutput:
+    """The :class:`SampleOutput` of full-width logprob results, each row cut to its ``counts``
+    (int64 ``[B]``, -1 = none)."""
+    wanted = counts >= 0
+    past = torch.arange(top_ids.shape[1], device=counts.device) >= counts[:, None]
+    return SampleOutput(tokens, torch.where(wanted, logprob, float("nan")), top_ids.masked_fill(past, -1),
+                        top_logprobs.masked_fill(past, float("nan")), torch.where(wanted, rank, -1))
+
+
+def drawn_logits(x: torch.Tensor, t: torch.Tensor, keep: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+    """The float32 logits each row was drawn from (``logprobs_of="processed"``): for sampled rows
+    ``x / t`` on the kept tokens and -inf elsewhere, for the others ``x`` itself (penalties and
+    bitmask applied). ``t``, ``sampled``: ``[B]``; ``keep``: ``[B, columns]``."""
+    z = (x.double() / t[:, None]).float()
+    return torch.where(sampled[:, None], torch.where(keep, z, NEG_INF), x)
 
 
 # ---------------------------------------------------------------------- logits processing
-def penalise(x: torch.Tensor, cols: torch.Tensor, owned: torch.Tensor, counts: torch.Tensor,
+def penalise(x: torch.Tensor, cols: torch.Tensor, owned: torch.Tensor, counts: TokenCounts,
              rows: Rows) -> torch.Tensor:
-    """Apply repetition (HF/vLLM: divide positive, multiply negative logits of seen tokens),
-    then frequency and presence penalties, to ``x[b, cols[b, k]]`` where ``owned[b, k]``."""
+    """Apply, to ``x[b, cols[b, k]]`` where ``owned[b, k]``: repetition (divide positive, multiply
+    negative logits) to tokens in the prompt or generated, as HF and vLLM; then frequency and
+    presence penalties from the generated counts only, as vLLM and OpenAI."""
     b, k = owned.nonzero(as_tuple=True)
-    cols, counts = cols[b, k], counts[b, k]
+    cols, n = cols[b, k], counts.counts[b, k]
     v = x[b, cols]
-    seen = counts > 0
+    generated = n > 0
+    seen = generated if counts.in_prompt is None else generated | counts.in_prompt[b, k]
     rep = rows.repetition_penalty[b]
     v = torch.where(seen, torch.where(v > 0, v / rep, v * rep), v)
-    v = v - rows.frequency_penalty[b] * counts.float() - rows.presence_penalty[b] * seen.float()
+    v = v - rows.frequency_penalty[b] * n.float() - rows.presence_penalty[b] * generated.float()
     x = x.clone()
     x[b, cols] = v
     return x
@@ -68,7 +97,7 @@ def processed_logits(raw: torch.Tensor, ids: torch.Tensor, rows: Rows,
     x = raw if bool((ids >= 0).all()) else torch.where(ids >= 0, raw, NEG_INF)
     if penalty_cols is not None:
         cols, owned, counts = penalty_cols
-        x = penalise(x, cols, owned & (counts.ids >= 0), counts.counts, rows)
+        x = penalise(x, cols, owned & (counts.ids >= 0), counts, rows)
     if bitmask is not None:
         x = torch.where(allowed(bitmask, ids), x, NEG_INF)
     return x
@@ -125,6 +154,15 @@ def top_p_target(total: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 def min_p_threshold(zmax: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """``z >= zmax + ln(min_p)`` is the min-p rule ``p >= min_p * p_max`` (-inf when off)."""
     return zmax + torch.log(min_p)
+
+
+def top_p_pool(x: torch.Tensor, z: torch.Tensor, kappa: torch.Tensor, m: torch.Tensor,
+               filter_order: str) -> torch.Tensor:
+    """The tokens whose mass top-p counts: the top-k set ``x >= kappa``; with ``filter_order``
+    ``"vllm"`` only those of it that also pass min-p (``z >= m``). Either way a prefix of the
+    tokens in value order."""
+    pool = x >= kappa
+    return pool & (z >= m) if filter_order == "vllm" else pool
 
 
 def gumbel_argmax(row: torch.Tensor, ids: torch.Tensor, z: torch.Tensor, rows: Rows,

@@ -1,0 +1,155 @@
+"""Log-probabilities of given tokens on vocab-sharded logits, without a ``[T, V]`` row anywhere.
+
+A log-softmax over shards is a merge of per-shard (max, sum-exp) pairs; the scored token's logit
+lives on its owner; its rank needs one count per shard; the top-n merge per-shard candidates.
+Two collectives per call, whatever V:
+
+1. all-gather, per row: the shard's max (NaN when the row holds NaN or +inf), its
+   ``sum(exp(x - max))`` (float64), the scored token's logit where this rank owns it (-inf
+   elsewhere), and the shard's top-n (value, id) in descending order, lowest id first on ties:
+   ``(3 + 2·top_n)·8`` bytes per row and rank;
+2. all-reduce of one int64 per row: how many of the shard's tokens have a strictly larger logit
+   than the scored one.
+
+Rows are processed locally in blocks of ``ROW_BLOCK`` so the float64 temporaries stay small.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from vocabpar import comm
+from vocabpar.layout import VocabLayout
+from vocabpar.sampling.semantics import NEG_INF, rank_key
+
+ROW_BLOCK = 64
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Per scored row: ``logprobs`` (float32 ``[T]``, log-softmax of the full row at the token),
+    ``ranks`` (int64 ``[T]``, 1 + number of tokens with a strictly larger logit), ``top_ids``
+    (int64 ``[T, top_n]``, descending, lowest id first on ties) and ``top_logprobs``
+    (float32 ``[T, top_n]``). Identical on every rank."""
+
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> TokenLogprobs:
+        """The same fields with ``fn`` applied to each (indexing, reshaping: dim 0 is the row)."""
+        return TokenLogprobs(*(fn(getattr(self, f.name)) for f in fields(self)))
+
+    @staticmethod
+    def concat(parts: Sequence[TokenLogprobs]) -> TokenLogprobs:
+        """Rows of ``parts`` one after the other (at least one part)."""
+        return TokenLogprobs(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(TokenLogprobs)))
+
+
+def token_logprobs(local_logits: torch.Tensor, layout: VocabLayout, token_ids: torch.Tensor, *,
+                   top_n: int = 0, group: comm.ProcessGroup = None,
+                   check: bool | None = None) -> TokenLogprobs:
+    """Score ``token_ids`` (int64 ``[T]``, the same on every rank) under this rank's FP32 raw
+    logits ``[T, rows]`` (storage order of ``layout``'s shard; padding columns ignored). Equals
+    ``torch.log_softmax`` of the full rows to float64 rounding; ranks and top ids exactly. Bad
+    input, disagreeing ranks and rows holding NaN or +inf raise ``ValueError`` on every rank."""
+    replicated = layout.scheme == "replicated"
+    me = 0 if replicated else comm.rank(group)
+    n = 1 if replicated else comm.world_size(group)
+
+    def facts() -> dict[str, comm.Fact]:
+        if n != layout.world_size and not replicated:
+            raise ValueError(f"layout is for {layout.world_size} ranks but the group has {n}")
+        width = layout.shard(me).rows
+        if not isinstance(local_logits, torch.Tensor) or local_logits.dtype != torch.float32 \
+                or local_logits.dim() != 2 or local_logits.shape[1] != width:
+            raise ValueError(f"local logits must be float32 [T, {width}] on rank {me}, got "
+                             f"{getattr(local_logits, 'dtype', type(local_logits).__name__)}"
+                             f"{tuple(getattr(local_logits, 'shape', ()))}")
+        T = local_logits.shape[0]
+        if not isinstance(token_ids, torch.Tensor) or token_ids.dtype != torch.long \
+                or token_ids.shape != (T,):
+            raise ValueError(f"token_ids must be int64 [{T}] (one per logits row), got "
+                             f"{getattr(token_ids, 'dtype', type(token_ids).__name__)}"
+                             f"{tuple(getattr(token_ids, 'shape', ()))}")
+        bad = ((token_ids < 0) | (token_ids >= layout.vocab_size)).nonzero().flatten()
+        if bad.numel():
+            raise ValueError(f"row {bad[0].item()}: token id {token_ids[bad[0]].item()} is outside "
+                             f"[0, {layout.vocab_size})")
+        if isinstance(top_n, bool) or not isinstance(top_n, int) or not 0 <= top_n <= layout.vocab_size:
+            raise ValueError(f"top_n must be an int in [0, vocab_size={layout.vocab_size}], got {top_n!r}")
+        return {**layout.describe(), "rows": T, "top_n": top_n, "token ids": token_ids}
+
+    if n == 1:
+        facts()
+    else:
+        comm.agree("token_logprobs", group, facts, check=check)
+    ids = layout.local_token_ids(me).to(local_logits.device)
+    T = local_logits.shape[0]
+    col, owned = layout.local_ids(token_ids, me)
+    stats = _local_stats(local_logits, ids, col.to(local_logits.device), owned.to(local_logits.device), top_n)
+    gathered = stats.unsqueeze(0) if n == 1 else comm.all_gather(stats, group)
+    f64 = gathered.view(torch.float64)
+    shard_max, shard_sum, chosen = f64[..., 0], f64[..., 1], f64[..., 2].max(0).values
+    bad = shard_max.isnan().any(0).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"cannot score: rows {bad} hold NaN or +inf logits")
+    M = shard_max.max(0).values
+    S = torch.zeros_like(M)
+    for r in range(gathered.shape[0]):  # fixed rank order: the same sum on every rank
+        S = S + torch.where(shard_max[r] == NEG_INF, 0.0, shard_sum[r] * torch.exp(shard_max[r] - M))
+    log_s = torch.log(S)
+    larger = _count_larger(local_logits, ids, chosen)
+    larger = larger if n == 1 else comm.all_reduce(larger, group)
+    width = gathered.shape[0] * top_n  # ranks x candidates (T may be 0)
+    vals = f64[..., 3: 3 + top_n].permute(1, 0, 2).reshape(T, width)
+    cand = gathered[..., 3 + top_n:].permute(1, 0, 2).reshape(T, width)
+    top = rank_key(vals.float(), cand).topk(top_n, 1).indices
+    return TokenLogprobs(((chosen - M) - log_s).float(), larger + 1, cand.gather(1, top),
+                         ((vals.gather(1, top) - M[:, None]) - log_s[:, None]).float())
+
+
+def _local_stats(logits: torch.Tensor, ids: torch.Tensor, col: torch.Tensor, owned: torch.Tensor,
+                 top_n: int) -> torch.Tensor:
+    """Per row, as int64 words: max (NaN if a NaN or +inf is present), sum of exp(x - max),
+    the owned scored logit (else -inf), top-n values (float64 bits) then their ids (-1 = none)."""
+    T, R = logits.shape
+    out = torch.empty(T, 3 + 2 * top_n, dtype=torch.long, device=logits.device)
+    f64 = out.view(torch.float64)
+    real = ids >= 0
+    for start in range(0, T, ROW_BLOCK):
+        rows = slice(start, min(start + ROW_BLOCK, T))
+        x = torch.where(real, logits[rows], NEG_INF)
+        invalid = (x.isnan() | (x == float("inf"))).any(1)
+        top = x.max(1).values.double() if R else torch.full((x.shape[0],), NEG_INF, dtype=torch.float64)
+        total = torch.exp(x.double() - top[:, None]).nan_to_num(0.0).sum(1)  # -inf rows: 0
+        f64[rows, 0] = torch.where(invalid, float("nan"), top)
+        f64[rows, 1] = total
+        if R:
+            picked = x.gather(1, col[rows].clamp(max=R - 1)[:, None])[:, 0].double()
+            f64[rows, 2] = torch.where(owned[rows], picked, NEG_INF)
+        else:
+            f64[rows, 2] = NEG_INF
+        m = min(top_n, R)
+        f64[rows, 3: 3 + top_n] = NEG_INF
+        out[rows, 3 + top_n:] = -1
+        if m:
+            best = rank_key(x, ids).topk(m, 1).indices
+            f64[rows, 3: 3 + m] = x.gather(1, best).double()
+            out[rows, 3 + top_n: 3 + top_n + m] = ids[best]
+    return out
+
+
+def _count_larger(logits: torch.Tensor, ids: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Per row, how many of this shard's tokens have a logit strictly larger than ``chosen``."""
+    T = logits.shape[0]
+    out = torch.zeros(T, dtype=torch.long, device=logits.device)
+    real = ids >= 0
+    for start in range(0, T, ROW_BLOCK):
+        rows = slice(start, min(start + ROW_BLOCK, T))
+        out[rows] = ((logits[rows].double() > chosen[rows, None]) & real).sum(1)
+    return out
