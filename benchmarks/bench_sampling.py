@@ -2,8 +2,11 @@
 
 Run: ``.venv/bin/python benchmarks/bench_sampling.py [--iters N]``. For each configuration both
 paths run in the same processes on the same logits; times are the slowest rank's mean per step,
-bytes are what one rank sends per step (comm counters), and ``x floor`` divides by the floor:
-one local pass over the shard (row max) plus one small all-gather.
+bytes are what one rank sends per step and ``coll`` the collectives per ``sample()`` call (comm
+counters; the per-call agreement check is off, as in production -- it adds one 256-byte
+all-gather), and ``x floor`` divides by the floor: one local pass over the shard (row max) plus
+one all-gather of 16 bytes per row. Logit families: peaked = N(0, 5²); flat = N(0, 0.5²); zipf =
+per row a random permutation of -1.1·log(1 + rank) plus N(0, 0.1²) noise.
 """
 
 from __future__ import annotations
@@ -19,17 +22,26 @@ from vocabpar.launch import run
 B, V, N = 256, 129280, 4
 
 CONFIGS = {
-    "greedy": ("llm", SamplingParams(temperature=0)),
-    "t0.8 k50 p0.95 minp0.05": ("llm", SamplingParams(temperature=0.8, top_k=50, top_p=0.95, min_p=0.05)),
-    "top-p 0.9 (peaked)": ("llm", SamplingParams(top_p=0.9)),
+    "greedy": ("peaked", SamplingParams(temperature=0)),
+    "t0.8 k50 p0.95 minp0.05": ("peaked", SamplingParams(temperature=0.8, top_k=50, top_p=0.95, min_p=0.05)),
+    "top-p 0.9 (peaked)": ("peaked", SamplingParams(top_p=0.9)),
+    "top-p 0.9 (zipf)": ("zipf", SamplingParams(top_p=0.9)),
     "top-p 0.9 (flat)": ("flat", SamplingParams(top_p=0.9)),
+    "top-k 1000 (peaked)": ("peaked", SamplingParams(top_k=1000)),
+    "min-p 0.1 (flat)": ("flat", SamplingParams(min_p=0.1)),
 }
 
 
-def _logits(kind: str, rows: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(comm.rank() + 1)
-    scale = 5.0 if kind == "llm" else 0.5  # sigma 5: top-p 0.9 keeps ~94 tokens (median)
-    return torch.randn(B, rows, generator=g) * scale
+def _logits(kind: str, layout: VocabLayout) -> torch.Tensor:
+    """This rank's shard of the family's full [B, V] logits (the same full rows on every rank)."""
+    g = torch.Generator().manual_seed(1)
+    if kind == "zipf":  # top-p 0.9 keeps ~1e4 tokens
+        full = torch.stack([-1.1 * torch.log1p(torch.randperm(V, generator=g).float()) for _ in range(B)])
+        full += torch.randn(B, V, generator=g) * 0.1
+    else:  # sigma 5: top-p 0.9 keeps ~94 tokens (median); sigma 0.5: ~85 % of V
+        full = torch.randn(B, V, generator=g) * (5.0 if kind == "peaked" else 0.5)
+    ids = layout.local_token_ids(comm.rank())
+    return torch.where(ids >= 0, full[:, ids.clamp(min=0)], float("-inf"))
 
 
 def _gather_then_sample(local: torch.Tensor, layout: VocabLayout,
@@ -57,31 +69,32 @@ def _floor(local: torch.Tensor) -> torch.Tensor:
     return comm.all_gather(pairs)
 
 
-def _time(fn, iters: int) -> tuple[float, int]:
+def _time(fn, iters: int) -> tuple[float, int, int]:
     fn()  # warm-up
     comm.reset_traffic()
     fn()
     sent = comm.total_bytes()[0]
+    calls = sum(c.calls for c in comm.traffic().values())
     total = 0.0
     for _ in range(iters):
         comm.all_reduce(torch.zeros(1))  # barrier
         start = time.perf_counter()
         fn()
         total += time.perf_counter() - start
-    return total / iters, sent
+    return total / iters, sent, calls
 
 
 def _bench(iters: int) -> dict:
     layout = VocabLayout(V, N)
-    rows = layout.shard(comm.rank()).rows
     pos = torch.arange(B)
     out = {}
     for name, (kind, params) in CONFIGS.items():
-        local = _logits(kind, rows)
+        local = _logits(kind, layout)
         p = SamplingParams(**{**params.__dict__, "seed": list(range(B))})
         out[name] = {
             "floor": _time(lambda local=local: _floor(local), iters),
-            "sharded": _time(lambda local=local, p=p: sample(local, layout, p, positions=pos), iters),
+            "sharded": _time(lambda local=local, p=p: sample(local, layout, p, positions=pos, check=False),
+                             iters),
             "gather": _time(lambda local=local, q=params: _gather_then_sample(local, layout, q), iters),
         }
     return out
@@ -94,13 +107,14 @@ def main() -> None:
     per_rank = run(_bench, N, args.iters, run_timeout=1800, timeout=300)
     print(f"B={B} V={V} ranks={N} gloo, FP32; time = slowest rank, mean of {args.iters} steps; "
           "bytes = sent per rank per step")
-    head = f"{'config':<26}{'sharded ms':>11}{'gather ms':>11}{'speed-up':>9}{'sharded B':>11}" \
+    head = f"{'config':<26}{'coll':>5}{'sharded ms':>11}{'gather ms':>11}{'speed-up':>9}{'sharded B':>11}" \
            f"{'gather B':>12}{'bytes x':>9}{'sh/floor':>9}{'ga/floor':>9}"
     print(head)
     for name in CONFIGS:
         t = {k: max(r[name][k][0] for r in per_rank) for k in ("floor", "sharded", "gather")}
         b = {k: per_rank[0][name][k][1] for k in ("sharded", "gather")}
-        print(f"{name:<26}{t['sharded'] * 1e3:>11.1f}{t['gather'] * 1e3:>11.1f}"
+        calls = max(r[name]["sharded"][2] for r in per_rank)
+        print(f"{name:<26}{calls:>5}{t['sharded'] * 1e3:>11.1f}{t['gather'] * 1e3:>11.1f}"
               f"{t['gather'] / t['sharded']:>8.1f}x"
               f"{b['sharded']:>11,}{b['gather']:>12,}{b['gather'] / max(b['sharded'], 1):>8.0f}x"
               f"{t['sharded'] / t['floor']:>8.1f}x{t['gather'] / t['floor']:>8.1f}x")

@@ -107,3 +107,21 @@ def test_help_documents_the_ranges(capsys, monkeypatch):
         assert main([command, "--help"]) == 0
         out = capsys.readouterr().out
         assert all(r in out for r in ranges), (command, out)
+
+
+def test_score_prints_logprobs_and_perplexity_matching_the_single_process_model(capsys):
+    from vocabpar.cli import main
+
+    assert main(["score", "--ranks", "2", "--ids", "5,17,300,42,9", "--top-n", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "perplexity" in out and "within 0.0001" in out
+    assert out.count("\n") >= 6  # header, rule, one row per scored token (4), summary
+
+
+def test_score_rejects_bad_ids(capsys):
+    from vocabpar.cli import main
+
+    assert main(["score", "--ranks", "1", "--ids", "5,x"]) == 2
+    assert "comma-separated integers" in capsys.readouterr().err
+    assert main(["score", "--ranks", "1", "--ids", "5,99999999"]) == 2
+    assert "integers in [0, 50257)" in capsys.readouterr().err

@@ -653,3 +653,59 @@ def test_per_row_logprobs_and_processed_logprobs_follow_their_definitions():
         assert abs(processed.logprob[b] - want[processed.tokens[b]]) < 1e-5, b
         top = [(i, lp) for i, lp in processed.top(b) if lp > float("-inf")]
         assert [i for i, _ in top] == want.topk(len(top)).indices.tolist(), b
+
+
+def _families(B: int, V: int) -> dict[str, torch.Tensor]:
+    """The benchmark's logit families at a small size: peaked, flat, zipf (see bench_sampling)."""
+    g = torch.Generator().manual_seed(3)
+    zipf = torch.stack([-1.1 * torch.log1p(torch.randperm(V, generator=g).float()) for _ in range(B)])
+    return {"peaked": torch.randn(B, V, generator=g) * 5, "flat": torch.randn(B, V, generator=g) * 0.5,
+            "zipf": zipf + torch.randn(B, V, generator=g) * 0.1}
+
+
+# config -> (family, params, collectives per call with the agreement check off)
+COLLECTIVE_COUNTS = {
+    "greedy": ("peaked", SamplingParams(temperature=0), 1),
+    "mixed": ("peaked", SamplingParams(temperature=0.8, top_k=50, top_p=0.95, min_p=0.05), 1),
+    "top-p peaked": ("peaked", SamplingParams(top_p=0.9), 2),
+    "top-p zipf": ("zipf", SamplingParams(top_p=0.9), 4),
+    "top-p flat": ("flat", SamplingParams(top_p=0.9), 4),
+    "top-k 1000": ("peaked", SamplingParams(top_k=1000), 4),
+    "min-p flat": ("flat", SamplingParams(min_p=0.1), 2),
+    "top-p flat logprobs": ("flat", SamplingParams(top_p=0.9, logprobs=2), 6),
+}
+
+
+def _count_collectives():
+    B, V = 16, 12000
+    out = {}
+    families = _families(B, V)
+    for scheme in ("padded", "uneven"):
+        layout = VocabLayout(V, comm.world_size(), scheme=scheme)
+        for name, (family, params, _) in COLLECTIVE_COUNTS.items():
+            local = _shard(families[family], layout, comm.rank(), 0.0)
+            p = dataclasses.replace(params, seed=list(range(B)))
+            calls = {}
+            for check in (False, True):
+                comm.reset_traffic()
+                tokens = sample(local, layout, p, positions=torch.arange(B), check=check).tokens
+                calls[check] = {k: c.calls for k, c in comm.traffic().items()}
+            out[scheme, name] = tokens, calls
+    return out
+
+
+def test_collectives_per_call_are_pinned_and_tokens_exact():
+    """The number of collectives per ``sample()`` call is deterministic for fixed inputs: each
+    benchmark configuration keeps its count (the agreement check adds exactly one), and the
+    tokens stay those of ``reference_sample``."""
+    B, V = 16, 12000
+    families = _families(B, V)
+    refs = {name: reference_sample(families[family], dataclasses.replace(params, seed=list(range(B))),
+                                   positions=torch.arange(B)).tokens
+            for name, (family, params, _) in COLLECTIVE_COUNTS.items()}
+    for per_rank in run(_count_collectives, 4, timeout=120):
+        for (scheme, name), (tokens, calls) in per_rank.items():
+            expected = COLLECTIVE_COUNTS[name][2]
+            assert torch.equal(tokens, refs[name]), (scheme, name)
+            assert sum(calls[False].values()) == expected, (scheme, name, calls[False])
+            assert calls[True].pop("agreement") == 1 and calls[True] == calls[False], (scheme, name)

@@ -169,8 +169,13 @@ def gumbel_argmax(row: torch.Tensor, ids: torch.Tensor, z: torch.Tensor, rows: R
                   positions: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, max of ``z + G`` over the listed (row, id, z) entries and the lowest id reaching
     it: float64 ``[batch]`` (-inf if none) and int64 ``[batch]`` (-1 if none)."""
-    keys = row_keys(rows.seed, positions)[row]
-    score = z + gumbel(keys, ids)
+    return row_argmax(row, ids, z + gumbel(row_keys(rows.seed, positions)[row], ids), batch)
+
+
+def row_argmax(row: torch.Tensor, ids: torch.Tensor, score: torch.Tensor,
+               batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the max ``score`` of the listed (row, id, score) entries and the lowest id reaching
+    it: float64 ``[batch]`` (-inf if none) and int64 ``[batch]`` (-1 if none)."""
     best = torch.full((batch,), NEG_INF, dtype=torch.float64).scatter_reduce(0, row, score, "amax")
     hit = score == best[row]
     big = torch.iinfo(torch.long).max

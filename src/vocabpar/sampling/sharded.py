@@ -7,39 +7,46 @@ function of replicated parameters and of gathered data):
 1. one all-gather: per row, the shard's (max, lowest id) with NaN folded into the max, then, if
    any row samples, the shard's top-c candidates (value desc, id asc). Greedy is this one
    collective (16 B per row).
-2. top-k with k > c: a radix select over the int32 order keys, 4 bits per round (8 rounds, each
-   an all-reduce of 16 counts per row). With k <= c the merged candidates are exact.
+2. top-k with k > c: a threshold search (:func:`_threshold`) between the merged candidates'
+   k-th value and ``L`` (the highest value any rank did not send). With k <= c the merged
+   candidates are exact.
 3. top-p: the integer mass of its pool (the top-k set; with ``filter_order="vllm"`` only its
-   tokens that pass min-p), from the candidates when they hold the whole pool, else one
-   all-reduce. Every unsent token is ``<= L`` (the highest value any rank did not send), so they
-   hold it when ``kappa > L``, when nothing is unsent, or (``"vllm"``) when ``L / t < m``: no
-   unsent token passes min-p. Then the candidates give the threshold if their cumulative mass
-   reaches the target above ``L``; otherwise a radix select on masses (8 rounds of 16 int64 sums
-   per row).
-4. Gumbel-max: if every kept token is among the candidates, each rank computes it locally;
-   otherwise each rank scores its kept tokens and one all-gather of (score, id) merges them.
+   tokens that pass min-p). Every unsent token is ``<= L``, so the candidates hold the pool when
+   ``kappa > L``, when nothing is unsent, or (``"vllm"``) when ``L / t < m``; then they give the
+   total, else one all-reduce does -- unless the candidates above ``L`` are unlikely to reach the
+   target anyway (:func:`_unsent_mass`), in which case the search measures the total in its
+   first round. The candidates give the threshold if their cumulative mass reaches the target
+   above ``L``; otherwise a threshold search on masses.
+4. Gumbel-max over the kept tokens: a threshold search draws its rows itself, in its settling
+   all-gather; rows whose kept tokens are all candidates are drawn locally; the rest take one
+   all-gather of each rank's best (score, id).
 5. logprobs (raw or processed): :func:`vocabpar.scoring.token_logprobs` of the chosen tokens,
    one all-gather of per-shard (max, sum-exp, chosen logit, top-n) and one all-reduce of rank
    counts; each logprob is ``(x - M) - log(S)``, precise for huge logits.
 
-Before all of it, the agreement check (:func:`vocabpar.comm.agree`, one 256-byte all-gather
-unless turned off).
-
-Worst case: 1 + 8 + 1 + 8 + 1 + 2 = 21 collectives per step, each carrying at most
-``16 * 8`` bytes per row beyond the candidates of round 1 (``c <= 256`` values per row).
+A threshold search starts in the key bucket that its two bounds share and takes at most two
+histogram all-reduces (``2**SEARCH_BITS + 1`` int64 per row, only for the rows searched), then
+one settling all-gather of ``(1 + 4·SETTLE_TOKENS + 2)`` int64 per row; a row whose final bucket
+holds more than ``SETTLE_TOKENS`` tokens on some rank (many ties) takes one more all-reduce and
+the draw's all-gather. Collectives per call: greedy 1; candidates enough 1–2; one search 4
+(5 with ties); worst case (top-k search, then top-p search, both with ties)
+``1 + (2 + 1 + 1) + 1 + (2 + 1 + 1) + 1 = 11``, plus 2 for logprobs and 1 for the agreement
+check (unless turned off). Bytes depend on B, n and the candidate count, never on V.
 All masses are exact integers, so the tokens equal :func:`reference_sample`'s bit for bit;
 see :mod:`vocabpar.sampling.semantics` and :mod:`vocabpar.sampling.noise` for the float steps.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from vocabpar import comm
 from vocabpar.layout import VocabLayout
-from vocabpar.sampling.noise import gumbel_bound, gumbel_bucket, row_keys
+from vocabpar.sampling.noise import gumbel, gumbel_bound, gumbel_bucket, row_keys
 from vocabpar.sampling.params import (
     ROW_FIELDS,
     Rows,
@@ -59,20 +66,24 @@ from vocabpar.sampling.semantics import (
     gumbel_argmax,
     key_value,
     mass,
+    mass_shift,
     merge_argmax,
     min_p_threshold,
     order_key,
     processed_logits,
+    row_argmax,
     top_p_pool,
     top_p_target,
     with_logprobs,
 )
 from vocabpar.scoring import token_logprobs
 
-MAX_CANDIDATES = 256  # top-k beyond this uses the radix select
+MAX_CANDIDATES = 256  # top-k beyond this uses the threshold search
 TOP_P_CANDIDATES = 64  # per rank, enough for peaked (LLM-like) rows
 MIN_P_CANDIDATES = 16
-RADIX_BITS = 4
+SEARCH_BITS = 11  # key bits one histogram round of the threshold search resolves
+SETTLE_BITS = 10  # a bucket of at most 2**SETTLE_BITS keys is settled by gathering its tokens
+SETTLE_TOKENS = 16  # of the final bucket, per rank and row
 
 
 @dataclass(frozen=True)
@@ -185,16 +196,18 @@ def _sample_on_device(local_logits, layout, params, positions, group, token_coun
     nan_rows = r1.xmax.isnan().any(0)
     check_rows(nan_rows, (best == NEG_INF) & ~nan_rows)
     sampled = ~rows.greedy & (best < float("inf"))
-    thr = m = t = None
+    step = thr = None
     if sampled.any():
-        tokens, thr, m, t = _sample(x, ids, rows, positions, sampled, best, c, r1, tokens, ranks, V)
+        step = _Rows(x, ids, rows, positions, sampled, ranks, V, c, r1, best)
+        kappa = step.top_k_threshold()
+        thr = torch.maximum(kappa, step.top_p_threshold(kappa))
+        tokens = step.draw(tokens, thr)
     if rows.logprobs is None:
         return SampleOutput(tokens)
     source = raw
-    if rows.logprobs_of == "processed" and thr is not None:
-        source = drawn_logits(x, t, (x >= thr[:, None]) & (x.double() / t[:, None] >= m[:, None]), sampled)
-    elif rows.logprobs_of == "processed":
-        source = x
+    if rows.logprobs_of == "processed":
+        source = x if step is None else drawn_logits(
+            x, step.t, (x >= thr[:, None]) & (x.double() / step.t[:, None] >= step.m[:, None]), sampled)
     # the ranks agreed on every input above: no second check
     scores = token_logprobs(source, layout, tokens, top_n=rows.top_n, group=group, check=False)
     return with_logprobs(tokens, rows.logprobs, scores.logprobs, scores.ranks, scores.top_ids,
@@ -264,91 +277,148 @@ def _round_one(raw, x, ids, c: int, ranks: _Ranks) -> _RoundOne:
 
 
 # ---------------------------------------------------------------------- sampling rows
-def _sample(x, ids, rows: Rows, positions, sampled, best, c: int, r1: _RoundOne, tokens, ranks: _Ranks,
-            V: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tokens of the sampled rows, and the bounds of what each row keeps (``x >= thr`` and
-    ``x / t >= m``)."""
-    B = x.shape[0]
-    real = ids >= 0
-    t = torch.where(sampled, rows.temperature, 1.0)
-    zmax = best / t
-    # merged candidates: everything a rank holds above L[b] is among them
-    n = r1.cand.shape[0]
-    cand = r1.cand.permute(1, 0, 2).reshape(B, n * c)
-    cand_id = r1.cand_id.permute(1, 0, 2).reshape(B, n * c)
-    valid = cand_id >= 0
-    unsent = torch.tensor([c < k for k in ranks.real_counts])
-    L = torch.where(unsent[:, None], r1.cand[:, :, c - 1], NEG_INF).max(0).values
-    nothing_unsent = L == NEG_INF  # unsent tokens (if any) are -inf: never kept in any way that matters
-    ckey = torch.where(valid, order_key(cand.float()), PAD_KEY)
-    ckey_sorted, corder = ckey.sort(1, descending=True)
-    cz = cand / t[:, None]
+@dataclass
+class _Rows:
+    """Per-call state of the sampled rows' steps: this shard's processed logits, the rows'
+    parameters, and the merged round-one candidates (everything a rank holds above ``L`` is among
+    them)."""
 
-    # top-k threshold kappa
-    kappa = torch.full((B,), NEG_INF)
-    k = rows.top_k
-    topk = sampled & (k > 0) & (k < V)
-    exact = topk & (k <= c)
-    if exact.any():  # a padding entry at position k means the k-th largest value is -inf
-        kth = ckey_sorted[exact, k[exact] - 1]
-        kappa[exact] = torch.where(kth == PAD_KEY, NEG_INF, key_value(kth))
-    search = (topk & ~exact).nonzero().flatten()
-    if search.numel():
-        u = torch.where(real, order_key(x[search]) + 2**31, -1)
-        kappa[search] = key_value(_radix_select(u, None, k[search], ranks) - 2**31)
+    x: torch.Tensor
+    ids: torch.Tensor
+    rows: Rows
+    positions: torch.Tensor
+    sampled: torch.Tensor
+    ranks: _Ranks
+    V: int
+    c: int
+    r1: _RoundOne
+    best: torch.Tensor
 
-    # top-p threshold tau (exact integer masses within the pool)
-    m = min_p_threshold(zmax, rows.min_p)
-    order = rows.filter_order
-    tau = torch.full((B,), NEG_INF)
-    topp = sampled & (rows.top_p < 1)
-    if topp.any():
-        pool = valid & top_p_pool(cand, cz, kappa[:, None], m[:, None], order)
-        cq = torch.where(pool, mass(cz, zmax[:, None], V), 0)
+    def __post_init__(self) -> None:
+        B, n, c = self.x.shape[0], self.r1.cand.shape[0], self.c
+        self.t = torch.where(self.sampled, self.rows.temperature, 1.0)
+        self.zmax = self.best / self.t
+        self.m = min_p_threshold(self.zmax, self.rows.min_p)
+        self.noise_keys = row_keys(self.rows.seed, self.positions)
+        self.cand = self.r1.cand.permute(1, 0, 2).reshape(B, n * c)
+        self.cand_id = self.r1.cand_id.permute(1, 0, 2).reshape(B, n * c)
+        self.cz = self.cand / self.t[:, None]
+        self.valid = self.cand_id >= 0
+        unsent = torch.tensor([c < k for k in self.ranks.real_counts])
+        self.L = torch.where(unsent[:, None], self.r1.cand[:, :, c - 1], NEG_INF).max(0).values
+        self.nothing_unsent = self.L == NEG_INF  # unsent tokens (if any) are -inf: never kept
+        self.ckey_sorted, self.corder = torch.where(self.valid, order_key(self.cand.float()), PAD_KEY).sort(
+            1, descending=True)
+        self.drawn = torch.full((B,), -1, dtype=torch.long)  # tokens a threshold search drew
+
+    def draw_for(self, search: torch.Tensor) -> _Draw:
+        return _Draw(self.x[search], self.ids, self.t[search], self.m[search], self.noise_keys[search],
+                     self.cand[search], self.cand_id[search], self.cz[search])
+
+    def top_k_threshold(self) -> torch.Tensor:
+        """``kappa`` per row (-inf without top-k): the k-th largest value. Exact from the
+        candidates when k <= c; else a threshold search (2–4 collectives) between the candidates'
+        k-th value and ``L``, which also draws the rows that have no top-p."""
+        B, k, n = self.x.shape[0], self.rows.top_k, self.cand.shape[1]
+        kappa = torch.full((B,), NEG_INF)
+        topk = self.sampled & (k > 0) & (k < self.V)
+        exact = topk & (k <= self.c)
+        if exact.any():  # a padding entry at position k means the k-th largest value is -inf
+            kth = self.ckey_sorted[exact, k[exact] - 1]
+            kappa[exact] = torch.where(kth == PAD_KEY, NEG_INF, key_value(kth))
+        search = (topk & ~exact).nonzero().flatten()
+        if search.numel():
+            # at least the merged candidates' k-th; at most L, since fewer than k candidates lie
+            # above L (else the candidates would be exact)
+            kth = self.ckey_sorted[search, (k[search] - 1).clamp(max=n - 1)]
+            lo = torch.where((k[search] <= n) & (kth != PAD_KEY), kth + 2**31, 0)
+            hi = _key(torch.where(self.nothing_unsent, self.best, self.L)[search])
+            draw = None if (self.rows.top_p[search] < 1).any() else self.draw_for(search)
+            v, self.drawn[search] = _threshold(_keys(self.x[search], self.ids >= 0), None, k[search], lo, hi,
+                                               self.ranks, draw)
+            kappa[search] = key_value(v - 2**31)
+        return kappa
+
+    def top_p_threshold(self, kappa: torch.Tensor) -> torch.Tensor:
+        """``tau`` per row (-inf without top-p), from exact integer masses of the pool. The
+        candidates give the total when they hold the whole pool, else one all-reduce of 8 bytes
+        per row does (or the search's first round, where the candidates are unlikely to reach the
+        target); they give tau when their cumulative mass reaches the target above ``L``; else a
+        threshold search (2–4 collectives), which also draws the row."""
+        B, V, order = self.x.shape[0], self.V, self.rows.filter_order
+        t, zmax, m, L, cand = self.t, self.zmax, self.m, self.L, self.cand
+        tau = torch.full((B,), NEG_INF)
+        topp = self.sampled & (self.rows.top_p < 1)
+        if not topp.any():
+            return tau
+        cq = torch.where(self.valid & top_p_pool(cand, self.cz, kappa[:, None], m[:, None], order),
+                         mass(self.cz, zmax[:, None], V), 0)
         total = cq.sum(1)
-        # the candidates hold every token of the pool (unsent tokens are <= L)
-        complete = nothing_unsent | (kappa > L)
+        complete = self.nothing_unsent | (kappa > L)  # unsent tokens are <= L
         if order == "vllm":  # no unsent token passes min-p
             complete |= L / t < m
-        missing = (topp & ~complete).nonzero().flatten()
+        # rows whose candidates above L likely fall short of the target skip the all-reduce of the
+        # total; either way is exact, this only picks the cheaper
+        above_l = torch.where(cand > L[:, None], cq, 0).sum(1)
+        unsent = _unsent_mass(self.r1, t, zmax, self.ranks, V)
+        fold = topp & ~complete & (above_l < self.rows.top_p * (total + unsent))
+        missing = (topp & ~complete & ~fold).nonzero().flatten()
         local_q = None
         if missing.numel():
-            local_q = _local_mass(x[missing], kappa[missing], m[missing], t[missing], zmax[missing], V, order)
-            total[missing] = ranks.sum(local_q.sum(1))
-        target = top_p_target(total, rows.top_p)
-        cum = cq.gather(1, corder).cumsum(1)
-        first = (cum < target[:, None]).sum(1)
-        found = first < n * c
-        tau_c = key_value(ckey_sorted.gather(1, first.clamp(max=n * c - 1)[:, None])[:, 0])
+            local_q = self.local_mass(missing, kappa)
+            total[missing] = self.ranks.sum(local_q.sum(1))
+        target = top_p_target(total, self.rows.top_p)
+        first = (cq.gather(1, self.corder).cumsum(1) < target[:, None]).sum(1)
+        found = ~fold & (first < cand.shape[1])
+        tau_c = key_value(self.ckey_sorted.gather(1, first.clamp(max=cand.shape[1] - 1)[:, None])[:, 0])
         # tau_c > L: every token above it was sent. A complete pool needs no extra case: tau_c is
         # in the pool, so tau_c >= kappa, and with "vllm" tau_c / t >= m; either way tau_c > L.
-        certified = topp & found & ((tau_c > L) | nothing_unsent)
+        certified = topp & found & ((tau_c > L) | self.nothing_unsent)
         tau[certified] = tau_c[certified]
         search = (topp & ~certified).nonzero().flatten()
         if search.numel():
             if local_q is not None and torch.isin(search, missing).all():  # reuse, usual when flat
                 q = local_q[torch.searchsorted(missing, search)]
             else:
-                q = _local_mass(x[search], kappa[search], m[search], t[search], zmax[search], V, order)
-            u = torch.where(real, order_key(x[search]) + 2**31, -1)
-            tau[search] = key_value(_radix_select(u, q, target[search], ranks) - 2**31)
+                q = self.local_mass(search, kappa)
+            # at least tau_c when the candidates reach the target, else at least the value below
+            # which masses are 0; at most L (the candidates above L fall short)
+            floor_x = t * (zmax - mass_shift(V) * math.log(2) - 1)
+            lo = _key(torch.where(found, tau_c.double(), floor_x)[search])
+            folded, known, p = fold[search], target[search], self.rows.top_p[search]
+            need = lambda measured: torch.where(folded, top_p_target(measured, p), known)  # noqa: E731
+            v, self.drawn[search] = _threshold(_keys(self.x[search], self.ids >= 0), q, need, lo,
+                                               _key(L[search]), self.ranks, self.draw_for(search))
+            tau[search] = key_value(v - 2**31)
+        return tau
 
-    thr = torch.maximum(kappa, tau)
-    local = sampled & (nothing_unsent | (thr > L) | (L / t < m))
-    tokens = tokens.clone()
-    # the kept candidates' best score: exact where `local`, a lower bound on the winner elsewhere
-    keep = valid & sampled[:, None] & (cand >= thr[:, None]) & (cz >= m[:, None])
-    b, j = keep.nonzero(as_tuple=True)
-    floor_score, arg = gumbel_argmax(b, cand_id[b, j], cz[b, j], rows, positions, B)
-    tokens[local] = arg[local]
-    spread = (sampled & ~local).nonzero().flatten()
-    if spread.numel():
-        r, col, z = _contenders(x[spread], ids, thr[spread], t[spread], m[spread], floor_score[spread],
-                                row_keys(rows.seed, positions)[spread])
-        score, arg = gumbel_argmax(spread[r], ids[col], z, rows, positions, B)
-        g = ranks.gather(torch.stack([_f64_bits(score[spread]), arg[spread]], 1))
-        _, tokens[spread] = merge_argmax(g[..., 0].contiguous().view(torch.float64), g[..., 1])
-    return tokens, thr, m, t
+    def local_mass(self, sel: torch.Tensor, kappa: torch.Tensor) -> torch.Tensor:
+        """Integer masses of this shard's tokens of rows ``sel`` in their top-p pool."""
+        z = self.x[sel].double() / self.t[sel, None]
+        pool = top_p_pool(self.x[sel], z, kappa[sel, None], self.m[sel, None], self.rows.filter_order)
+        return torch.where(pool, mass(z, self.zmax[sel, None], self.V), 0)
+
+    def draw(self, tokens: torch.Tensor, thr: torch.Tensor) -> torch.Tensor:
+        """Gumbel-max over each row's kept tokens (``x >= thr``, ``z >= m``): rows a search drew
+        keep its token; rows whose kept tokens are all candidates are drawn locally; the rest take
+        one all-gather of each rank's best (score, id), 16 bytes per row."""
+        B, L, m, t = self.x.shape[0], self.L, self.m, self.t
+        drawn = self.drawn >= 0
+        local = self.sampled & ~drawn & (self.nothing_unsent | (thr > L) | (L / t < m))
+        tokens = torch.where(drawn, self.drawn, tokens)
+        # the kept candidates' best score: exact where `local`, a lower bound on the winner elsewhere
+        keep = self.valid & self.sampled[:, None] & (self.cand >= thr[:, None]) & (self.cz >= m[:, None])
+        b, j = keep.nonzero(as_tuple=True)
+        floor_score, arg = gumbel_argmax(b, self.cand_id[b, j], self.cz[b, j], self.rows, self.positions, B)
+        tokens[local] = arg[local]
+        spread = (self.sampled & ~local & ~drawn).nonzero().flatten()
+        if spread.numel():
+            r, col, z = _contenders(self.x[spread], self.ids, thr[spread], t[spread], m[spread],
+                                    floor_score[spread], self.noise_keys[spread])
+            score, arg = gumbel_argmax(spread[r], self.ids[col], z, self.rows, self.positions, B)
+            g = self.ranks.gather(torch.stack([_f64_bits(score[spread]), arg[spread]], 1))
+            _, tokens[spread] = merge_argmax(g[..., 0].contiguous().view(torch.float64), g[..., 1])
+        return tokens
 
 
 def _contenders(x, ids, thr, t, m, floor_score, keys) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -356,40 +426,176 @@ def _contenders(x, ids, thr, t, m, floor_score, keys) -> tuple[torch.Tensor, tor
     whose noise bound (16 hashed bits, :func:`gumbel_bound`) cannot reach it is dropped before
     its exact noise is computed. Never drops a possible winner (the bound is conservative)."""
     z = x.double() / t[:, None]
-    reach = z + gumbel_bound().to(z.device)[gumbel_bucket(keys[:, None, :], ids)] >= floor_score[:, None]
-    r, col = ((ids >= 0) & (x >= thr[:, None]) & (z >= m[:, None]) & reach).nonzero(as_tuple=True)
-    return r, col, z[r, col]
+    r, col = ((ids >= 0) & (x >= thr[:, None]) & (z >= m[:, None])).nonzero(as_tuple=True)
+    z = z[r, col]
+    reach = z + gumbel_bound().to(z.device)[gumbel_bucket(keys[r], ids[col])] >= floor_score[r]
+    return r[reach], col[reach], z[reach]
 
 
-def _local_mass(x, kappa, m, t, zmax, V: int, filter_order: str) -> torch.Tensor:
-    """Integer masses of this shard's tokens in the top-p pool (padding is -inf: mass 0)."""
-    z = x.double() / t[:, None]
-    pool = top_p_pool(x, z, kappa[:, None], m[:, None], filter_order)
-    return torch.where(pool, mass(z, zmax[:, None], V), 0)
+@dataclass(frozen=True)
+class _Draw:
+    """What a threshold search needs to draw the token of rows whose kept set is ``key >= v``
+    and ``z >= m`` (``v`` the threshold it finds): their logits ``x`` ``[F, R]``, temperature,
+    min-p bound and noise keys per row, and the merged candidates (values, ids, float64 z)."""
+
+    x: torch.Tensor
+    ids: torch.Tensor
+    t: torch.Tensor
+    m: torch.Tensor
+    keys: torch.Tensor
+    cand: torch.Tensor
+    cand_id: torch.Tensor
+    cz: torch.Tensor
+
+    def certain_best(self, top_key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This shard's best (score, id) per row among the kept tokens with key >= ``top_key``
+        (all kept whatever the threshold within the bucket below). The certainly kept candidates
+        give a lower bound on it, so the noise bound prunes most tokens first."""
+        F = top_key.shape[0]
+        top_value = key_value(top_key.clamp(max=2**32 - 1) - 2**31).double()
+        thr = torch.where(top_key < 2**32, top_value, float("inf"))
+        sure = (self.cand_id >= 0) & (self.cand >= thr[:, None]) & (self.cz >= self.m[:, None])
+        b, j = sure.nonzero(as_tuple=True)
+        sure_ids = self.cand_id[b, j]
+        floor, _ = row_argmax(b, sure_ids, self.cz[b, j] + gumbel(self.keys[b], sure_ids), F)
+        r, col, z = _contenders(self.x, self.ids, thr, self.t, self.m, floor, self.keys)
+        return row_argmax(r, self.ids[col], z + gumbel(self.keys[r], self.ids[col]), F)
+
+    def score(self, r: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+        """``z + G`` of the listed tokens, -inf where min-p drops them."""
+        z = self.x[r, col].double() / self.t[r]
+        return torch.where(z >= self.m[r], z + gumbel(self.keys[r], self.ids[col]), NEG_INF)
 
 
-def _radix_select(u: torch.Tensor, weight: torch.Tensor | None, need: torch.Tensor,
-                  ranks: _Ranks) -> torch.Tensor:
-    """Per row, the largest ``v`` with ``sum(weight[u >= v]) >= need`` (weight 1 when None),
-    over all ranks: ``u`` are this shard's keys in [0, 2**32), -1 = not a token. 32 / RADIX_BITS
-    rounds of one all-reduce of ``2**RADIX_BITS`` int64 per row."""
-    F, R = u.shape
-    buckets = 1 << RADIX_BITS
-    w = torch.ones_like(u) if weight is None else weight
-    w = torch.where((u >= 0) & (w > 0), w, 0)  # tokens of no weight cannot move the answer
-    base = torch.arange(F)[:, None] * buckets
-    prefix = torch.zeros(F, dtype=torch.long)
-    above = torch.zeros(F, dtype=torch.long)
-    for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):
-        digit = (u >> shift) & (buckets - 1)
-        hist = torch.zeros(F * buckets, dtype=torch.long).index_add_(0, (base + digit).view(-1), w.view(-1))
-        hist = ranks.sum(hist.view(F, buckets))
-        suffix = hist.flip(1).cumsum(1).flip(1)  # suffix[d] = weight with digit >= d
-        d = ((above[:, None] + suffix) >= need[:, None]).sum(1) - 1
-        nxt = suffix.gather(1, (d + 1).clamp(max=buckets - 1)[:, None])[:, 0]
-        above += torch.where(d < buckets - 1, nxt, 0)
-        prefix = prefix * buckets + d
-        # only tokens under the chosen prefix matter from here on; masking the weight in place
-        # beats compacting, since flat rows share their leading digits
-        w = torch.where(digit == d[:, None], w, 0)
-    return prefix
+def _threshold(u: torch.Tensor, weight: torch.Tensor | None, need: torch.Tensor | Callable,
+               lo: torch.Tensor, hi: torch.Tensor, ranks: _Ranks,
+               draw: _Draw | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the largest key ``v`` with ``sum(weight[u >= v]) >= need`` over all ranks, given
+    ``lo <= v <= hi`` (``u``: this shard's keys in [0, 2**32), -1 = not a token; weight 1 when
+    None). ``need`` may be a function of the rows' total weight, which the first round then
+    measures. With ``draw``, also the token drawn from ``key >= v`` and ``z >= m``. Returns
+    ``(v, token)`` (token -1 where not drawn).
+
+    The keys ``lo`` and ``hi`` share their top bits: the search starts in that bucket. Each round
+    all-reduces a histogram of ``2**SEARCH_BITS`` weights per row (plus the weight above the
+    bucket) and keeps the digit holding ``v``, until a bucket spans at most ``2**SETTLE_BITS``
+    keys: at most ``ceil(22 / SEARCH_BITS) = 2`` rounds. Then one all-gather settles it: each rank
+    sends the ``SETTLE_TOKENS`` largest keys of the bucket with their weights -- and, to draw, their
+    scores and its best score above the bucket. A row whose bucket holds more on some rank takes
+    one more round of ``2**SETTLE_BITS`` sums (and is not drawn). Only the bucket's tokens are
+    carried from round to round."""
+    F = u.shape[0]
+    w = torch.where(u >= 0, 1 if weight is None else weight, 0)
+    shift = _bit_length(lo ^ hi)
+    prefix = hi >> shift
+    bits = (shift - SETTLE_BITS).clamp(0, SEARCH_BITS)
+    above, total = torch.zeros(F, dtype=torch.long), None
+    # the first round runs on the whole shard in place; later ones on the bucket's tokens only
+    rows = torch.arange(F)[:, None]  # broadcast over the columns
+    if callable(need) or bool((bits > 0).any()):  # host sync: a branch that saves a collective
+        shift, prefix, above, total, need, keep = _histogram_round(u, w, rows, bits, shift, prefix, above,
+                                                                   total, need, ranks)
+    else:
+        keep = (u >> shift[:, None]) == prefix[:, None]
+    r, col = (keep & (w > 0)).nonzero(as_tuple=True)
+    key, wt = u[r, col], w[r, col]
+    while True:
+        bits = (shift - SETTLE_BITS).clamp(0, SEARCH_BITS)
+        if not bool((bits > 0).any()):  # every rank takes this branch alike
+            break
+        shift, prefix, above, total, need, keep = _histogram_round(key, wt, r, bits, shift, prefix, above,
+                                                                   total, need, ranks)
+        r, col, key, wt = r[keep], col[keep], key[keep], wt[keep]
+    count = torch.bincount(r, minlength=F)
+    order = torch.argsort(r * 2**33 + (2**32 - 1 - key))  # by row, then key descending
+    r, col, key, wt = r[order], col[order], key[order], wt[order]
+    slot = torch.arange(r.numel()) - (count.cumsum(0) - count)[r]
+    sent = slot < SETTLE_TOKENS
+    fields = [key, wt] + ([] if draw is None else [draw.ids[col], _f64_bits(draw.score(r, col))])
+    pads = [-1, 0, -1, _f64_bits(torch.tensor(NEG_INF)).item()]
+    table = torch.stack([torch.full((F, SETTLE_TOKENS), pad, dtype=torch.long)
+                         for pad in pads[: len(fields)]])
+    table[:, r[sent], slot[sent]] = torch.stack(fields)[:, sent]
+    parts = [count[:, None], *table]
+    if draw is not None:
+        best, best_id = draw.certain_best((prefix + 1) << shift)
+        parts += [_f64_bits(best)[:, None], best_id[:, None]]
+    g = ranks.gather(torch.cat(parts, 1))  # [n, F, 1 + fields * SETTLE_TOKENS (+ 2)]
+    merged = [g[..., 1 + i * SETTLE_TOKENS: 1 + (i + 1) * SETTLE_TOKENS].permute(1, 0, 2).reshape(F, -1)
+              for i in range(len(fields))]
+    ordered, by_key = merged[0].sort(1, descending=True)
+    reached = above[:, None] + merged[1].gather(1, by_key).cumsum(1) >= need[:, None]
+    v = ordered.gather(1, (~reached).sum(1).clamp(max=ordered.shape[1] - 1)[:, None])[:, 0]
+    overflow = (g[..., 0] > SETTLE_TOKENS).any(0)
+    token = torch.full((F,), -1, dtype=torch.long)
+    if draw is not None:  # the best of: every rank's best above the bucket, the bucket's kept tokens
+        kept = merged[0] >= v[:, None]
+        scores = torch.cat([g[..., -2].contiguous().view(torch.float64).T, merged[3].view(torch.float64)], 1)
+        ids = torch.cat([g[..., -1].T, torch.where(kept, merged[2], -1)], 1)
+        _, token = merge_argmax(scores.T, ids.T)
+    if bool(overflow.any()):  # a host sync that saves a collective for every other row
+        mine = overflow[r]
+        _, exact, *_ = _histogram_round(key[mine], wt[mine], r[mine], torch.where(overflow, shift, 0), shift,
+                                        prefix, above, total, need, ranks)
+        v, token = torch.where(overflow, exact, v), torch.where(overflow, -1, token)
+    return v, token
+
+
+def _histogram_round(key, wt, r, bits, shift, prefix, above, total, need, ranks):
+    """One all-reduce: per row, the weights of the ``2**bits`` digits below the bucket's prefix
+    (and, in the first round, of everything above the bucket); keep the digit holding the
+    threshold. Returns the narrowed (shift, prefix, above), the total and ``need`` once known, and
+    which tokens stay in the bucket."""
+    F = prefix.shape[0]
+    rs, rb = shift[r], bits[r]
+    high = key >> rs
+    inside = high == prefix[r]
+    top = 1 << SEARCH_BITS  # the column of the weight above the bucket; below it weighs nothing
+    digit = torch.where(inside, (key >> (rs - rb)) & ((1 << rb) - 1), top)
+    weight = torch.where(inside | (high > prefix[r]), wt, 0)
+    hist = torch.zeros(F * (top + 1), dtype=torch.long).index_add_(0, (r * (top + 1) + digit).reshape(-1),
+                                                                  weight.reshape(-1))
+    hist = ranks.sum(hist.view(F, top + 1))
+    if total is None:
+        total, above = hist.sum(1), hist[:, top]
+        need = need(total) if callable(need) else need
+    suffix = hist[:, :top].flip(1).cumsum(1).flip(1)  # suffix[d] = weight of digits >= d
+    d = ((above[:, None] + suffix) >= need[:, None]).sum(1).clamp(min=1) - 1
+    above = above + torch.where(d + 1 < top, suffix.gather(1, (d + 1).clamp(max=top - 1)[:, None])[:, 0], 0)
+    keep = inside & (digit == d[r])
+    return shift - bits, (prefix << bits) | d, above, total, need, keep
+
+
+def _unsent_mass(r1: _RoundOne, t: torch.Tensor, zmax: torch.Tensor, ranks: _Ranks, V: int) -> torch.Tensor:
+    """A guess (float64 ``[B]``, in the units of :func:`mass`) of the mass of the tokens no rank
+    sent: each rank's tail continues the power law through its candidates of ranks c/2 and c
+    (geometric tails, flat tails and Zipf tails all fit one), for as many tokens as it holds.
+    Used only to choose between two exact paths."""
+    c = r1.cand.shape[2]
+    half = max(c // 2, 1)
+    last = torch.exp(r1.cand[..., c - 1] / t - zmax).nan_to_num(0.0)
+    middle = torch.exp(r1.cand[..., half - 1] / t - zmax)
+    a = (torch.log(middle / last) / math.log(c / half)).nan_to_num(0.0).clamp(min=0.0, max=50.0)
+    unsent = torch.tensor([max(count - c, 0) for count in ranks.real_counts], dtype=torch.float64)[:, None]
+    # sum over j in (c, c + unsent] of last * (c / j)**a, as an integral
+    one = (a - 1).abs() < 1e-6
+    power = torch.where(one, 0.5, 1 - a)
+    grown = ((1 + unsent / c) ** power - 1) / power
+    tail = last * c * torch.where(one, torch.log1p(unsent / c), grown)
+    return tail.sum(0) * 2.0 ** mass_shift(V)
+
+
+def _keys(x: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Unsigned order keys in [0, 2**32) of this shard's tokens (-1 for padding columns)."""
+    return torch.where(real, order_key(x) + 2**31, -1)
+
+
+def _key(values: torch.Tensor) -> torch.Tensor:
+    """The unsigned order key of float values (rounded to float32, clamped to the finite-or-inf
+    range of keys)."""
+    return order_key(values.float()) + 2**31
+
+
+def _bit_length(x: torch.Tensor) -> torch.Tensor:
+    """Bits needed for each non-negative int64 below 2**53 (0 for 0)."""
+    return torch.frexp(x.double()).exponent.long()
