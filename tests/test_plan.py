@@ -21,8 +21,8 @@ def _costs(w: P.Workload) -> dict[str, P.DesignCost]:
     return {c.name: c for c in P.plan(w)}
 
 
-# ---------------------------------------------------------------------- SPEC section 1
-SPEC_1 = {  # quantity -> (ours at the study's precision, the study's figure)
+# ---------------------------------------------------------------------- the study's figures
+STUDY_FIGURES = {  # quantity -> (ours at the study's precision, the study's figure)
     "one BF16 matrix, V·H·2": ("1.23 GiB", "1.23 GiB"),
     "both matrices": ("2.47 GiB", "2.47 GiB"),
     "TP=8 shard of one matrix": ("157.8 MiB", "157.8 MiB"),
@@ -51,7 +51,7 @@ SPEC_1 = {  # quantity -> (ours at the study's precision, the study's figure)
 def test_study_figures_at_printed_precision():
     figures = P.study_figures()
     by_name = {f.quantity: f for f in figures}
-    for quantity, (ours, study) in SPEC_1.items():
+    for quantity, (ours, study) in STUDY_FIGURES.items():
         assert (by_name[quantity].text, by_name[quantity].study) == (ours, study), quantity
     texts = [f.text for f in figures]
     assert texts.count("7.9 MiB") == 1 and texts.count("15.8 MiB") == 1  # TP=8 logits shards
@@ -136,7 +136,8 @@ def test_other_preset_per_design():
     assert c["llama.cpp"].ranks == 1 and c["llama.cpp"].weight_bytes == 152064 * 3584 * 2
     for cost in c.values():
         assert cost.memory_bytes == cost.weight_bytes + cost.logits_buffer_bytes
-        assert cost.step_time_s == pytest.approx(cost.step_bytes / 300e9 + cost.head_flops / 600e12)
+        assert cost.step_time_s == pytest.approx(cost.collectives * P.LATENCY + cost.step_bytes / 300e9
+                                                 + cost.head_flops / 600e12)
     assert min(x.extra_memory_bytes for x in c.values()) == 0
     assert c["deepinfer-replicated"].kv_tokens == c["deepinfer-replicated"].extra_memory_bytes // 890
 
@@ -288,3 +289,28 @@ def test_cli_plot_unwritable(argv, tmp_path, monkeypatch, capsys):
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1
     assert f"argument --plot: cannot write {argv[1]!r}" in captured.err
+
+
+def test_latency_per_collective_prices_every_design(capsys):
+    """Step time = collectives x latency + bytes / bandwidth + head time: moving the latency from
+    0 to 50 us moves each design by exactly its collectives x 50 us; replicated designs make
+    none on the decode path."""
+    times = {}
+    for latency in ("0", "50"):
+        assert main(["plan", "--json", "--latency-us", latency]) == 0
+        data = json.loads(capsys.readouterr().out)
+        times[latency] = {d["name"]: (d["step_time_s"], d["collectives"]) for d in data["designs"]}
+    for name, (fast, calls) in times["0"].items():
+        slow, same_calls = times["50"][name]
+        assert calls == same_calls
+        assert slow - fast == pytest.approx(calls * 50e-6, rel=1e-9, abs=1e-15)
+    assert times["0"]["deepinfer-replicated"][1] == times["0"]["llama.cpp"][1] == 0
+    assert times["0"]["vllm-gather"][1] == times["0"]["vllm-all-gather"][1] + 1  # ids broadcast
+    assert times["0"]["vocabpar-sharded"][1] == 2  # owner gather + greedy round one
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "2e6", "x"])
+def test_latency_rejects_bad_values(value, capsys):
+    assert main(["plan", "--latency-us", value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--latency-us" in err[0]

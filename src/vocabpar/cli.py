@@ -92,7 +92,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         weight_dtype_bytes=plan.dtype_bytes(args.weight_dtype),
         logits_dtype_bytes=plan.dtype_bytes(args.logits_dtype),
         bandwidth=args.bandwidth * 1e9, flops=args.flops * 1e12,
-        kv_bytes_per_token=args.kv_bytes_per_token, pad_to=args.pad_to)
+        kv_bytes_per_token=args.kv_bytes_per_token, pad_to=args.pad_to, latency=args.latency_us * 1e-6)
     costs = plan.plan(w)
     rec = plan.recommend(costs, None if args.headroom is None else args.headroom * plan.GiB)
     study = plan.study_figures() if plan.is_study_shape(w) else []
@@ -108,16 +108,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"{w.vocab} vocab x {w.hidden} hidden ({'tied' if w.tied else 'untied'}), {w.ranks} ranks, "
           f"dp {w.dp}, B={w.batch} rows/step, T={w.tokens} tokens/forward, weights "
           f"{args.weight_dtype}, logits {args.logits_dtype}, {h(w.bandwidth, 'bytes')}/s, "
-          f"{h(w.flops, 'flops')}/s\n")
+          f"{h(w.flops, 'flops')}/s, {h(w.latency, 'seconds')} per collective\n")
     rows = [(c.name, c.ranks, h(c.weight_bytes, "ibytes"), h(c.logits_buffer_bytes, "ibytes"),
              h(c.embedding_bytes, "bytes"), h(c.step_bytes, "bytes"), h(c.head_flops, "flops"),
-             h(c.step_time_s, "seconds"), h(c.kv_tokens, "tokens")) for c in costs]
+             c.collectives, h(c.step_time_s, "seconds"), h(c.kv_tokens, "tokens")) for c in costs]
     print(format_table(("design", "ranks", "weights", "logits", f"emb/fwd({w.tokens})", "step recv",
-                        "head/rank", "step time", "KV forgone"), rows))
+                        "head/rank", "coll/step", "step time", "KV forgone"), rows))
     print("\n" + "\n".join(f"  {c.name}: {c.summary}" for c in costs))
     print(f"\nrecommendation: {rec.reason}")
     if study:
-        print("\nthe study's numbers (SPEC section 1: TP=8, B=256, T=8192, 300 GB/s, 600 TFLOP/s):")
+        print("\nthe study's numbers (DeepSeek-V4.1-Flash, TP=8, B=256, T=8192, 300 GB/s, 600 TFLOP/s):")
         print(format_table(("quantity", "vocabpar", "study", "check"),
                            [(f.quantity, f.text, f.study or "-",
                              "ok" if f.study and f.agrees else "differs" if f.study else "")
@@ -259,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{what}-dtype", default="bf16", type=str.lower, choices=plan.DTYPE_BYTES,
                        help=f"{what} element type")
     _number(p, "--bandwidth", float, L["bandwidth"], "interconnect GB/s", scale=1e9, default=300.0)
+    _number(p, "--latency-us", float, L["latency"], "microseconds per collective (NVLink-class NCCL: ~15)",
+            scale=1e-6, default=plan.LATENCY * 1e6)
     _number(p, "--flops", float, L["flops"], "effective TFLOP/s", scale=1e12, default=600.0)
     _number(p, "--kv-bytes-per-token", float, L["kv_bytes_per_token"], "KV cache bytes per token",
             default=890.0)

@@ -142,10 +142,7 @@ def run_demo(model: str = "gpt2", ranks: int = 4, batch: int = 4, tokens: int = 
     single-process oracle computed here first. Under torchrun ``ranks`` is the world size and
     each process reports what its own rank measured. Arguments outside ``LIMITS`` raise
     ``ValueError`` before any work."""
-    for name, value in (("ranks", ranks), ("batch", batch), ("tokens", tokens)):
-        low, high = LIMITS[name]
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
+    _check_limits(ranks=ranks, batch=batch, tokens=tokens)
     from vocabpar.integrations.hf import reference_generate
 
     if launch.under_torchrun():
@@ -271,10 +268,7 @@ def run_score(model: str = "gpt2", ranks: int = 4, ids: list[int] | None = None,
     """Score a prompt (``ids``, or ``length`` seeded random ids) with the model's embedding and head
     sharded over ``ranks`` local ranks (``lm.score``: no rank holds more than one chunk of
     ``[rows, V/n]`` logits), and with the single-process model for reference."""
-    for name, value in (("ranks", ranks), ("length", length), ("top_n", top_n)):
-        low, high = LIMITS[name]
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
+    _check_limits(ranks=ranks, length=length, top_n=top_n)
     if launch.under_torchrun():
         ranks = int(os.environ["WORLD_SIZE"])
     reference_model = build_model(model)
@@ -298,6 +292,14 @@ def _score_rank(model_name: str, ids: list[int], top_n: int):
     from vocabpar.integrations.hf import parallelize
 
     return parallelize(build_model(model_name), collect="none").score(torch.tensor([ids]), top_n=top_n)
+
+
+def _check_limits(**values: object) -> None:
+    """``ValueError`` naming the first argument that is not an int within its ``LIMITS``."""
+    for name, value in values.items():
+        low, high = LIMITS[name]
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
 
 
 def _largest_owner_count(layout: VocabLayout, ids: torch.Tensor) -> int:

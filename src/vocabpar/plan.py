@@ -34,8 +34,13 @@ LIMITS: dict[str, tuple[float, float]] = {
     "vocab": (1, 2**31), "hidden": (1, 2**20), "ranks": (1, 2**16), "dp": (1, 2**16),
     "batch": (0, 2**24), "tokens": (0, 2**31), "weight_dtype_bytes": (1, 8), "logits_dtype_bytes": (1, 8),
     "pad_to": (1, 2**20), "bandwidth": (1e3, 1e18), "flops": (1e6, 1e21), "kv_bytes_per_token": (1e-3, 1e12),
-    "headroom": (0, 1e6 * GiB),
+    "latency": (0.0, 1.0), "headroom": (0, 1e6 * GiB),
 }
+LATENCY = 15e-6
+"""Default seconds per collective (the alpha of the alpha-beta model) for NVLink-class NCCL: a
+small all-reduce takes 3.5-6 us of kernel time in nccl-tests on 2-8 H100/H800 GPUs (NVIDIA/nccl
+GitHub issues 1259 and 1984), and a call outside CUDA graphs adds about 10 us of launch and host
+synchronisation."""
 
 
 def check_limit(name: str, value: float) -> None:
@@ -193,6 +198,7 @@ class Workload:
     flops: float = 600e12
     kv_bytes_per_token: float = 890
     pad_to: int = 64
+    latency: float = LATENCY
 
     def __post_init__(self) -> None:
         for name in (n for n in LIMITS if n != "headroom"):
@@ -246,7 +252,9 @@ class DesignCost:
 
     ``embedding_bytes``/``embedding_time_s``: one forward of ``tokens`` tokens.
     ``step_bytes``/``step_time_s``: one decode step -- embedding of the ``batch`` new tokens,
-    hidden gather, logits collection or sampling traffic, plus the head GEMM.
+    hidden gather, logits collection or sampling traffic, plus the head GEMM; ``collectives``:
+    the calls one decode step makes (:func:`decode_collectives`), each costing ``latency``
+    before its bytes: ``step_time_s = collectives·latency + step_bytes/bandwidth + head_time_s``.
     ``extra_memory_bytes``: weights + logits above the leanest design; ``kv_tokens`` what that
     memory would hold as KV cache."""
 
@@ -265,6 +273,7 @@ class DesignCost:
     head_flops: int
     head_time_s: float
     step_time_s: float
+    collectives: int
     extra_memory_bytes: int = 0
     kv_tokens: int = 0
 
@@ -291,9 +300,27 @@ def design_cost(design: Design, w: Workload) -> DesignCost:
             + hidden + collection)
     flops = head_flops(-(-w.batch // dp) if replicated else w.batch, cols, w.hidden)
     head_time = compute_time(flops, w.flops)
+    calls = 0 if design.single_device else decode_collectives(design, dp)
     return DesignCost(design.name, design.engine, design.summary, n, weights, logits, weights + logits,
                       embedding, transfer_time(embedding, w.bandwidth), hidden, collection, step,
-                      flops, head_time, transfer_time(step, w.bandwidth) + head_time)
+                      flops, head_time, calls * w.latency + transfer_time(step, w.bandwidth) + head_time,
+                      calls)
+
+
+# collectives per decode step of each logits path, the exchange of sampled ids included where the
+# design needs one (gather: broadcast from the sampling rank; all-to-all: every rank's block)
+COLLECTION_COLLECTIVES = {"all_gather": 1, "gather": 2, "all_to_all": 2, "dp_gather_scatter": 1,
+                          "none": 1, "replicated": 0}
+
+
+def decode_collectives(design: Design, dp: int) -> int:
+    """Collectives of one decode step on a multi-rank design: the embedding exchange (none when
+    replicated), with DP attention the row counts and hidden rows gathered (2), and the logits
+    path; sampling on shards is priced greedy (one all-gather). The per-call agreement checks,
+    which production turns off, are left out."""
+    embedding = 0 if design.embedding == "local" else 1
+    hidden = 2 if dp > 1 and design.scheme != "replicated" else 0
+    return embedding + hidden + COLLECTION_COLLECTIVES[design.collection]
 
 
 def plan(w: Workload, designs: tuple[Design, ...] = DESIGNS) -> list[DesignCost]:
@@ -372,7 +399,7 @@ def human(value: float, kind: str) -> str:
     return format_quantity(value, unit, digits)
 
 
-# The reference workload of the study (SPEC section 1): DeepSeek-V4.1-Flash, TP=8, BF16.
+# The reference workload of the study: DeepSeek-V4.1-Flash, TP=8, BF16.
 STUDY = Workload(vocab=129280, hidden=5120, tied=False, ranks=8, batch=256, tokens=8192)
 
 
@@ -398,7 +425,7 @@ class StudyFigure:
 
 
 def study_figures() -> list[StudyFigure]:
-    """SPEC section 1 recomputed from the formulas above, with the study's errors named."""
+    """The study's reference figures recomputed from the formulas above, with its errors named."""
     s = STUDY
     V, H, n, b = s.vocab, s.hidden, s.ranks, s.weight_dtype_bytes
     full = weight_bytes(V, H, b, 1)

@@ -1,4 +1,4 @@
-"""Sampling on vocab-sharded logits, exact and identical at any number of ranks (SPEC 3 S)."""
+"""Sampling on vocab-sharded logits, exact and identical at any number of ranks."""
 
 from vocabpar.sampling.params import SamplingParams, TokenCounts
 from vocabpar.sampling.reference import reference_sample

@@ -79,7 +79,7 @@ from vocabpar.sampling.semantics import (
 from vocabpar.scoring import token_logprobs
 
 MAX_CANDIDATES = 256  # top-k beyond this uses the threshold search
-TOP_P_CANDIDATES = 64  # per rank, enough for peaked (LLM-like) rows
+TOP_P_CANDIDATES = 512  # over all ranks: certifies peaked (LLM-like) rows, which keep ~100-350 tokens
 MIN_P_CANDIDATES = 16
 SEARCH_BITS = 11  # key bits one histogram round of the threshold search resolves
 SETTLE_BITS = 10  # a bucket of at most 2**SETTLE_BITS keys is settled by gathering its tokens
@@ -235,7 +235,7 @@ def _candidate_count(rows: Rows, V: int, ranks: _Ranks) -> int:
     if small_k.numel():
         need.append(int(small_k.max()))
     if (rows.top_p[sampled] < 1).any():
-        need.append(TOP_P_CANDIDATES)
+        need.append(-(-TOP_P_CANDIDATES // ranks.n))
     if (rows.min_p[sampled] > 0).any():
         need.append(MIN_P_CANDIDATES)
     return min(max(need), max(ranks.real_counts))
@@ -490,18 +490,18 @@ def _threshold(u: torch.Tensor, weight: torch.Tensor | None, need: torch.Tensor 
     prefix = hi >> shift
     bits = (shift - SETTLE_BITS).clamp(0, SEARCH_BITS)
     above, total = torch.zeros(F, dtype=torch.long), None
-    # the first round runs on the whole shard in place; later ones on the bucket's tokens only
-    rows = torch.arange(F)[:, None]  # broadcast over the columns
-    if callable(need) or bool((bits > 0).any()):  # host sync: a branch that saves a collective
-        shift, prefix, above, total, need, keep = _histogram_round(u, w, rows, bits, shift, prefix, above,
-                                                                   total, need, ranks)
+    # rounds run on the tokens of the bucket and above only; when some row's bucket is the whole
+    # key range, the first round runs on the shard in place instead of copying it out
+    if bool((shift < 32).all()):  # host syncs here and below: branches every rank takes alike
+        r, col = ((u >= (prefix << shift)[:, None]) & (w > 0)).nonzero(as_tuple=True)
     else:
-        keep = (u >> shift[:, None]) == prefix[:, None]
-    r, col = (keep & (w > 0)).nonzero(as_tuple=True)
+        shift, prefix, above, total, need, keep = _histogram_round(u, w, torch.arange(F)[:, None], bits,
+                                                                   shift, prefix, above, total, need, ranks)
+        r, col = (keep & (w > 0)).nonzero(as_tuple=True)
     key, wt = u[r, col], w[r, col]
     while True:
         bits = (shift - SETTLE_BITS).clamp(0, SEARCH_BITS)
-        if not bool((bits > 0).any()):  # every rank takes this branch alike
+        if (total is not None or not callable(need)) and not bool((bits > 0).any()):
             break
         shift, prefix, above, total, need, keep = _histogram_round(key, wt, r, bits, shift, prefix, above,
                                                                    total, need, ranks)
