@@ -7,7 +7,8 @@ and run in the same processes on the same inputs, side by side:
 * sharded: ``iter_logits(strategy="none", max_rows=256)`` and ``token_logprobs`` on each
   [256, V/4] local block (2 collectives per chunk, plus the 256-byte agreement check);
 * gather (what engines do): ``compute_logits(strategy="all_gather")`` per chunk, i.e. full
-  [256, V] FP32 rows on every rank, then ``log_softmax``, the targets' values and ``topk``.
+  [256, V] FP32 rows on every rank, then ``log_softmax``, the targets' values and ``topk``;
+* head: the local head GEMM per chunk alone, the floor both paths share.
 
 Times are a full scoring pass (head GEMM included), slowest rank, median of ``--reps``
 passes after a one-chunk warm-up; bytes and calls are exact ``vocabpar.comm`` counters per rank
@@ -17,8 +18,9 @@ compared with one [T, V/4] FP32 block, the local shard of unchunked logits.
 
     .venv/bin/python benchmarks/bench_logprobs.py [--reps 1] [--quick] [--mmap-threshold BYTES]
 
-``--quick`` is a smoke test with T=1024 (1 rep takes ~3 min at T=8192 on 2 cores);
-``--mmap-threshold 1048576`` shows how much of the RSS rise is glibc keeping freed temporaries.
+``--quick`` is a smoke test with T=1024 (the default run takes ~4 min on 2 cores);
+``--mmap-threshold 1048576`` shows how much of the RSS rise is glibc keeping freed temporaries
+(its times are not comparable: every temporary then costs an mmap and fresh page faults).
 """
 
 from __future__ import annotations
@@ -80,15 +82,17 @@ def _setup(tokens: int):
 
 
 def _sharded(head, layout, hidden, targets, top_n: int) -> TokenLogprobs:
-    parts = [token_logprobs(local, layout, targets[rows], top_n=top_n)
-             for rows, local in iter_logits(head, hidden, strategy="none", max_rows=CHUNK)]
+    parts = []
+    for rows, local in iter_logits(head, hidden, strategy="none", max_rows=CHUNK):
+        parts.append(token_logprobs(local, layout, targets[rows], top_n=top_n))
+        del local  # else the loop variable keeps this chunk alive while the next one is computed
     return TokenLogprobs.concat(parts)
 
 
 def _head_only(head, hidden) -> None:
     """The floor both paths share: the local head GEMM per chunk, logits dropped."""
-    for _rows, _local in iter_logits(head, hidden, strategy="none", max_rows=CHUNK):
-        pass
+    for _rows, local in iter_logits(head, hidden, strategy="none", max_rows=CHUNK):
+        del local
 
 
 def _gathered(head, hidden, targets, top_n: int) -> dict[str, torch.Tensor]:

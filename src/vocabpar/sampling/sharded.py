@@ -357,11 +357,12 @@ class _Rows:
         complete = self.nothing_unsent | (kappa > L)  # unsent tokens are <= L
         if order == "vllm":  # no unsent token passes min-p
             complete |= L / t < m
-        # rows whose candidates above L likely fall short of the target skip the all-reduce of the
-        # total; either way is exact, this only picks the cheaper
+        # rows whose candidates above L would fall short of the target even against half the
+        # guessed unsent mass skip the all-reduce of the total; either way is exact, this only
+        # picks the cheaper (a wrong guess costs one collective either way)
         above_l = torch.where(cand > L[:, None], cq, 0).sum(1)
         unsent = _unsent_mass(self.r1, t, zmax, self.ranks, V)
-        fold = topp & ~complete & (above_l < self.rows.top_p * (total + unsent))
+        fold = topp & ~complete & (above_l < self.rows.top_p * (total + unsent / 2))
         missing = (topp & ~complete & ~fold).nonzero().flatten()
         local_q = None
         if missing.numel():
