@@ -114,9 +114,8 @@ def _gathered(head, hidden, targets, top_n: int) -> dict[str, torch.Tensor]:
 
 
 def _measure(fn, reps: int) -> dict:
-    """One pass measured for traffic and peak RSS rise, then ``reps`` timed passes (the first
-    of them the measured one). Returns this rank's seconds per pass, counters, RSS rise and the
-    last result."""
+    """``reps`` timed passes; the first also books the traffic and the peak RSS rise. Returns
+    this rank's median seconds per pass, the counters, the RSS rise and the last result."""
     seconds, result, traffic, rise = [], None, None, 0
     for rep in range(reps):
         result = None

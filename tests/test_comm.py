@@ -129,3 +129,13 @@ def test_run_rejects_bad_world_size():
 def test_all_to_all_rejects_bad_splits():
     with pytest.raises(ValueError, match="splits"):
         comm.all_to_all(torch.zeros(3), [2], [3])
+
+
+@pytest.mark.parametrize("kwargs", [{"timeout": 0}, {"timeout": -1.0}, {"timeout": float("nan")},
+                                    {"timeout": float("inf")}, {"run_timeout": 0}, {"timeout": "10"}])
+def test_run_rejects_bad_timeouts_before_spawning(kwargs, monkeypatch):
+    import vocabpar.launch as launch
+
+    monkeypatch.setattr(launch.mp, "get_context", lambda *a: pytest.fail("spawned"))
+    with pytest.raises(ValueError, match="timeout must be a positive finite number of seconds"):
+        run(_raise_on_rank, 2, 5, **kwargs)
