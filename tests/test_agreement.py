@@ -16,6 +16,7 @@ from vocabpar import (
     comm,
     compute_logits,
     sample,
+    token_logprobs,
 )
 from vocabpar.launch import LaunchError, run
 from vocabpar.wire import AGREE_WIDTH
@@ -79,6 +80,8 @@ def _scenarios():
         "sample_bad_width_on_one_rank": lambda: sample(torch.zeros(4, layout.shard(me).rows + me), layout,
                                                        SamplingParams(), positions=positions).tokens,
         "broadcast_rows": lambda: broadcast_tokens(torch.arange(3) if me == 0 else None, 3 + me),
+        "score_token_ids": lambda: token_logprobs(_shard(logits, layout, me), layout, torch.arange(4) + me),
+        "score_top_n": lambda: token_logprobs(_shard(logits, layout, me), layout, torch.arange(4), top_n=me),
         # after all of the above, every entry point still works and agrees with the reference
         "embedding_after": lambda: torch.equal(emb["owner_gather"](torch.arange(7)), table[:7]),
         "logits_after": lambda: torch.allclose(compute_logits(head, hidden, strategy="all_gather"),
@@ -179,6 +182,11 @@ def test_sample_bad_width_on_one_rank_fails_every_rank(seen):
 
 def test_broadcast_rows(seen):
     _same_error(seen, "broadcast_rows", "rank 0 has 3 rows, rank 1 has 4 rows")
+
+
+def test_scoring_token_ids_and_top_n(seen):
+    _same_error(seen, "score_token_ids", "token_logprobs", "the content of token ids differs")
+    _same_error(seen, "score_top_n", "rank 0 has top_n=0, rank 1 has top_n=1")
 
 
 def test_entry_points_still_work_after_rejected_input(seen):
