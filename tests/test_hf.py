@@ -179,9 +179,13 @@ def test_score_and_prompt_logprobs_match_the_unparallelised_model(n):
     for scores, prompt_scores, tokens in run(_score_and_prompt_logprobs, n, name, timeout=120):
         assert scores.logprobs.shape == (2, 6) and scores.top_ids.shape == (2, 6, 3)
         assert (scores.logprobs.double() - want).abs().max() < 1e-4
-        assert torch.equal(scores.top_ids, logp.topk(3, -1).indices)
+        # ids and ranks come from other logits than transformers' (another GEMM): compare them
+        # through the reference values, to the same tolerance
+        assert (logp.gather(2, scores.top_ids) - logp.topk(3, -1).values).abs().max() < 1e-4
         assert (scores.top_logprobs.double() - logp.topk(3, -1).values).abs().max() < 1e-4
-        assert torch.equal(scores.ranks, 1 + (logp > want[..., None]).sum(-1))
+        surely_above = 1 + (logp > want[..., None] + 1e-4).sum(-1)
+        maybe_above = 1 + (logp > want[..., None] - 1e-4).sum(-1)
+        assert ((surely_above <= scores.ranks) & (scores.ranks <= maybe_above)).all()
         prompts = [p[: 2 + 2 * b] for b, p in enumerate(PROMPTS)]
         for p, (lp, top) in zip(prompts, prompt_scores):
             ids = torch.tensor([p])

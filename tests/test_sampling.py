@@ -635,6 +635,7 @@ def test_per_row_logprobs_and_processed_logprobs_follow_their_definitions():
     processed = _reference(case)
     raw = reference_sample(x, dataclasses.replace(params, logprobs_of="raw"), positions=case["positions"])
     assert torch.equal(processed.tokens, raw.tokens)
+    compared = 0
     for b, n in enumerate(counts):
         if n is None:
             assert processed.logprob[b].isnan() and processed.rank[b] == -1 and processed.top(b) == []
@@ -648,11 +649,15 @@ def test_per_row_logprobs_and_processed_logprobs_follow_their_definitions():
         else:
             t, k, p, m = (float(getattr(params, f)[b]) for f in ("temperature", "top_k", "top_p", "min_p"))
             k = int(k)
+            if _near_boundary(x[b], t, k if k < x.shape[1] else 0, p, m, "hf"):  # rounding could decide
+                continue
             warped = torch.where(_hf_kept(x[b], t, k, p, m), x[b] / t, float("-inf"))
         want = torch.log_softmax(warped.double(), 0)
         assert abs(processed.logprob[b] - want[processed.tokens[b]]) < 1e-5, b
         top = [(i, lp) for i, lp in processed.top(b) if lp > float("-inf")]
         assert [i for i, _ in top] == want.topk(len(top)).indices.tolist(), b
+        compared += 1
+    assert compared >= 4
 
 
 def _families(B: int, V: int) -> dict[str, torch.Tensor]:

@@ -166,7 +166,8 @@ def _checked_inputs(local_logits, layout, params, positions, group, token_counts
         per_row = [getattr(rows, name) for name in ROW_FIELDS]
         seen = [] if token_counts is None else [token_counts.ids, token_counts.counts] + (
             [] if token_counts.in_prompt is None else [token_counts.in_prompt.long()])
-        return {**layout.describe(), "rows": B, "logprobs": -1 if rows.logprobs is None else rows.logprobs,
+        counts = torch.full((B,), -1) if rows.logprobs is None else rows.logprobs
+        return {**layout.describe(), "rows": B, "logprobs": counts,
                 "filter_order": rows.filter_order,
                 "sampling parameters": torch.cat([t.double().view(torch.long) if t.is_floating_point() else t
                                                   for t in per_row]),
@@ -206,8 +207,7 @@ def _sample_on_device(local_logits, layout, params, positions, group, token_coun
         return SampleOutput(tokens)
     source = raw
     if rows.logprobs_of == "processed":
-        source = x if step is None else drawn_logits(
-            x, step.t, (x >= thr[:, None]) & (x.double() / step.t[:, None] >= step.m[:, None]), sampled)
+        source = x if step is None else drawn_logits(x, step.t, step.kept(thr), sampled)
     # the ranks agreed on every input above: no second check
     scores = token_logprobs(source, layout, tokens, top_n=rows.top_n, group=group, check=False)
     return with_logprobs(tokens, rows.logprobs, scores.logprobs, scores.ranks, scores.top_ids,
@@ -310,6 +310,10 @@ class _Rows:
         self.ckey_sorted, self.corder = torch.where(self.valid, order_key(self.cand.float()), PAD_KEY).sort(
             1, descending=True)
         self.drawn = torch.full((B,), -1, dtype=torch.long)  # tokens a threshold search drew
+
+    def kept(self, thr: torch.Tensor) -> torch.Tensor:
+        """Bool ``[B, columns]``: this shard's tokens each row keeps (``x >= thr``, ``z >= m``)."""
+        return (self.x >= thr[:, None]) & (self.x.double() / self.t[:, None] >= self.m[:, None])
 
     def draw_for(self, search: torch.Tensor) -> _Draw:
         return _Draw(self.x[search], self.ids, self.t[search], self.m[search], self.noise_keys[search],
