@@ -77,13 +77,7 @@ from vocabpar.sampling.semantics import (
     with_logprobs,
 )
 from vocabpar.scoring import token_logprobs
-
-MAX_CANDIDATES = 256  # top-k beyond this uses the threshold search
-TOP_P_CANDIDATES = 512  # over all ranks: certifies peaked (LLM-like) rows, which keep ~100-350 tokens
-MIN_P_CANDIDATES = 16
-SEARCH_BITS = 11  # key bits one histogram round of the threshold search resolves
-SETTLE_BITS = 10  # a bucket of at most 2**SETTLE_BITS keys is settled by gathering its tokens
-SETTLE_TOKENS = 16  # of the final bucket, per rank and row
+from vocabpar.wire import MAX_CANDIDATES, SEARCH_BITS, SETTLE_BITS, SETTLE_TOKENS, candidate_count
 
 
 @dataclass(frozen=True)
@@ -229,16 +223,12 @@ def _candidate_count(rows: Rows, V: int, ranks: _Ranks) -> int:
     sampled = ~rows.greedy
     if not sampled.any():
         return 0
-    need = [1]
     k = rows.top_k[sampled]
     small_k = k[(k > 0) & (k <= MAX_CANDIDATES)]
-    if small_k.numel():
-        need.append(int(small_k.max()))
-    if (rows.top_p[sampled] < 1).any():
-        need.append(-(-TOP_P_CANDIDATES // ranks.n))
-    if (rows.min_p[sampled] > 0).any():
-        need.append(MIN_P_CANDIDATES)
-    return min(max(need), max(ranks.real_counts))
+    top_k = int(small_k.max()) if small_k.numel() else 0
+    return candidate_count(ranks.n, max(ranks.real_counts), top_k=top_k,
+                           top_p=bool((rows.top_p[sampled] < 1).any()),
+                           min_p=bool((rows.min_p[sampled] > 0).any()))
 
 
 def _top(x: torch.Tensor, ids: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
