@@ -4,10 +4,19 @@ from vocabpar.collect import ShardedLogits, broadcast_tokens, compute_logits, it
 from vocabpar.embedding import VocabParallelEmbedding
 from vocabpar.head import ParallelLMHead, reference_logits, select_rows
 from vocabpar.layout import Shard, VocabLayout
-from vocabpar.sampling import SampleOutput, SamplingParams, reference_sample, sample
+from vocabpar.sampling import (
+    SampleOutput,
+    SamplingParams,
+    VerifyOutput,
+    reference_sample,
+    reference_verify,
+    sample,
+    verify,
+)
 from vocabpar.scoring import TokenLogprobs, token_logprobs
 
 __all__ = ["ParallelLMHead", "Shard", "ShardedLogits", "VocabLayout", "VocabParallelEmbedding",
            "broadcast_tokens", "compute_logits", "iter_logits", "reference_logits", "select_rows",
-           "SampleOutput", "SamplingParams", "reference_sample", "sample", "TokenLogprobs", "token_logprobs"]
+           "SampleOutput", "SamplingParams", "reference_sample", "sample", "TokenLogprobs", "token_logprobs",
+           "VerifyOutput", "reference_verify", "verify"]
 __version__ = "0.1.0"

@@ -18,13 +18,18 @@ import torch
 from vocabpar.hashing import M32
 from vocabpar.hashing import fmix32 as _fmix32
 
+STREAMS = {"sample": 0, "accept": 1, "residual": 2}
+"""Independent noise streams under one (seed, position): the sampler's Gumbel draws; the uniform
+that accepts or rejects a draft token; the Gumbel draws of a rejected draft's correction."""
 
-def row_keys(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """Two 32-bit keys per row, int64 ``[..., 2]``, from non-negative int64 seeds and positions."""
+
+def row_keys(seed: torch.Tensor, position: torch.Tensor, stream: str = "sample") -> torch.Tensor:
+    """Two 32-bit keys per row, int64 ``[..., 2]``, from non-negative int64 seeds and positions
+    and a noise stream (one of :data:`STREAMS`)."""
     parts = (seed & M32, seed >> 32, position & M32, position >> 32)
     keys = []
     for start in (0x9E3779B9, 0x7F4A7C15):
-        k = torch.full_like(seed, start)
+        k = torch.full_like(seed, start ^ (STREAMS[stream] * 0x2545F491 & M32))
         for p in parts:
             k = _fmix32(k ^ p)
         keys.append(k)
@@ -44,10 +49,14 @@ def gumbel_bound() -> torch.Tensor:
     return -torch.log(-torch.log(upper)) + 1e-6
 
 
-def gumbel(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Standard Gumbel noise (float64) for token ``ids`` under row ``keys`` (``[..., 2]``,
-    broadcast against ``ids``): 52 hashed bits give ``u = (2m + 1) / 2**53`` in (0, 1)."""
+def uniform(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Uniform noise (float64) in (0, 1) for token ``ids`` under row ``keys`` (``[..., 2]``,
+    broadcast against ``ids``): 52 hashed bits give ``u = (2m + 1) / 2**53``."""
     hi = _fmix32(ids ^ keys[..., 0]) >> 12
     lo = _fmix32(ids ^ keys[..., 1])
-    u = ((hi << 32) + lo) * 2 + 1
-    return -torch.log(-torch.log(u.double() * 2.0 ** -53))
+    return (((hi << 32) + lo) * 2 + 1).double() * 2.0 ** -53
+
+
+def gumbel(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise (float64) ``-log(-log(u))`` of :func:`uniform`."""
+    return -torch.log(-torch.log(uniform(keys, ids)))

@@ -110,6 +110,13 @@ class SamplingParams:
         return Rows(**cols, logprobs=self._logprob_counts(batch, vocab_size), logprobs_of=self.logprobs_of,
                     filter_order=self.filter_order)
 
+    def take(self, batch: int, vocab_size: int, index: torch.Tensor) -> SamplingParams:
+        """These parameters, resolved for ``batch`` rows, at rows ``index`` (row ``j`` of the result
+        is row ``index[j]``); logprobs are not carried."""
+        rows = self.resolve(batch, vocab_size)
+        return SamplingParams(**{name: getattr(rows, name)[index] for name in ROW_FIELDS},
+                              logprobs_of=self.logprobs_of, filter_order=self.filter_order)
+
     def _logprob_counts(self, batch: int, vocab_size: int) -> torch.Tensor | None:
         """int64 ``[B]`` top-logprob counts, -1 for rows that want none; ``None`` if no row does."""
         per_row = self.logprobs if isinstance(self.logprobs, (list, tuple)) else [self.logprobs] * batch
@@ -251,3 +258,48 @@ def to_device(device: torch.device, positions: torch.Tensor, token_counts: Token
     """The caller's per-row inputs on the logits' device."""
     counts = None if token_counts is None else token_counts.to(device)
     return positions.to(device), counts, None if bitmask is None else bitmask.to(device)
+
+
+def describe(t: object) -> str:
+    """A value's dtype and shape (or type) for error messages."""
+    return f"{getattr(t, 'dtype', type(t).__name__)}{tuple(getattr(t, 'shape', ()))}"
+
+
+def check_drafts(draft_tokens: torch.Tensor, batch: int, vocab_size: int, where: str = "") -> int:
+    """Validate the draft tokens (int64 ``[B, k]``, ids in ``[0, vocab_size)``); returns ``k``."""
+    if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dtype != torch.long \
+            or draft_tokens.dim() != 2 or draft_tokens.shape[0] != batch:
+        raise ValueError(f"draft_tokens must be int64 [{batch}, k]{where}, got {describe(draft_tokens)}")
+    bad = ((draft_tokens < 0) | (draft_tokens >= vocab_size)).nonzero()
+    if bad.numel():
+        b, i = bad[0].tolist()
+        raise ValueError(f"draft token {draft_tokens[b, i].item()} at row {b}, position {i} is outside "
+                         f"[0, vocab_size={vocab_size}){where}")
+    return draft_tokens.shape[1]
+
+
+def check_logits(name: str, logits: torch.Tensor | None, shape: tuple[int, ...], where: str) -> None:
+    """FP32 logits of exactly ``shape`` (``None`` passes); draft logits may not hold +inf (their
+    distribution would be a point mass the acceptance rule cannot weigh)."""
+    if logits is None:
+        return
+    if not isinstance(logits, torch.Tensor) or logits.dtype != torch.float32 or tuple(logits.shape) != shape:
+        raise ValueError(f"{name} must be float32 {list(shape)}{where}, got {describe(logits)}")
+    if name == "draft_logits" and bool(logits.isposinf().any()):
+        b, i = logits.isposinf().any(-1).nonzero()[0].tolist()
+        raise ValueError(f"draft_logits{where} hold +inf at row {b}, position {i}")
+
+
+def check_verify_inputs(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
+                        draft_logits: torch.Tensor | None, vocab_size: int, columns: int,
+                        where: str = "") -> tuple[int, int]:
+    """Validate the logits (``[B, k+1, columns]``, draft ``[B, k, columns]``) and the draft tokens;
+    returns ``(B, k)``."""
+    if not isinstance(target_logits, torch.Tensor) or target_logits.dim() != 3:
+        raise ValueError(f"target_logits must be float32 [B, k+1, {columns}]{where}, got "
+                         f"{describe(target_logits)}")
+    B = target_logits.shape[0]
+    k = check_drafts(draft_tokens, B, vocab_size, where)
+    check_logits("target_logits", target_logits, (B, k + 1, columns), where)
+    check_logits("draft_logits", draft_logits, (B, k, columns), where)
+    return B, k

@@ -27,17 +27,24 @@ from vocabpar.sampling.params import (
     TokenCounts,
     check_bitmask,
     check_positions,
+    check_verify_inputs,
     on_device,
     to_device,
 )
 from vocabpar.sampling.semantics import (
+    NEG_INF,
     SampleOutput,
+    VerifyOutput,
+    accept_uniform,
+    accepts,
     check_rows,
     drawn_logits,
     gumbel_argmax,
     mass,
     min_p_threshold,
     processed_logits,
+    residual_scores,
+    row_argmax,
     top_p_pool,
     top_p_target,
     with_logprobs,
@@ -111,3 +118,54 @@ def _sample_row(x: torch.Tensor, keep: torch.Tensor, b: int, rows: Rows, positio
     z = x[ids].double() / rows.temperature[b]
     _, arg = gumbel_argmax(torch.full_like(ids, b), ids, z, rows, positions, rows.seed.numel())
     return int(arg[b])
+
+
+def reference_verify(full_target_logits: torch.Tensor, params: SamplingParams, draft_tokens: torch.Tensor, *,
+                     positions: torch.Tensor, draft_logits: torch.Tensor | None = None) -> VerifyOutput:
+    """Verify ``draft_tokens`` (int64 ``[B, k]``) against the full FP32 target logits
+    ``[B, k+1, V]`` and optional draft logits ``[B, k, V]``, one row and position at a time (the
+    semantics of :mod:`vocabpar.sampling.verify`)."""
+    with on_device(full_target_logits.device):
+        V = full_target_logits.shape[-1] if isinstance(full_target_logits, torch.Tensor) else 0
+        B, k = check_verify_inputs(full_target_logits, draft_tokens, draft_logits, V, V)
+        rows = params.resolve(B, V)
+        positions = check_positions(positions, B).to(full_target_logits.device)
+        # what plain sampling draws at every position (raises on NaN / empty target rows)
+        every = torch.arange(B).repeat_interleave(k + 1)
+        at = positions[every] + torch.arange(k + 1).repeat(B)
+        drawn = reference_sample(full_target_logits.reshape(B * (k + 1), V), params.take(B, V, every),
+                                 positions=at).tokens.view(B, k + 1)
+        if draft_logits is not None:
+            flat = draft_logits.reshape(B * k, V)
+            check_rows(flat.isnan().any(1), (flat == NEG_INF).all(1))
+        accepted = torch.zeros(B, dtype=torch.long)
+        tokens = torch.full((B, k + 1), -1, dtype=torch.long)
+        for b in range(B):
+            for i in range(k + 1):
+                if i == k:  # every draft accepted: the bonus token
+                    tokens[b, i] = drawn[b, i]
+                    break
+                x = int(draft_tokens[b, i])
+                target = full_target_logits[b, i]
+                if draft_logits is None or rows.greedy[b] or target.max() == float("inf"):
+                    ok, correction = x == int(drawn[b, i]), int(drawn[b, i])
+                else:
+                    p, q = _kept_mass(target, rows, b), _kept_mass(draft_logits[b, i], rows, b)
+                    u = accept_uniform(rows.seed[b: b + 1], positions[b: b + 1] + i)
+                    ok = bool(accepts(u, p[x], p.sum(), q[x], q.sum()))
+                    scores = residual_scores(p[None], p.sum()[None], q[None], q.sum()[None],
+                                             rows.seed[b: b + 1], positions[b: b + 1] + i, torch.arange(V))[0]
+                    best, arg = row_argmax(torch.zeros(V, dtype=torch.long), torch.arange(V), scores, 1)
+                    correction = int(arg[0]) if best[0] > NEG_INF else int(drawn[b, i])
+                if not ok:
+                    tokens[b, i] = correction
+                    break
+                tokens[b, i] = x
+                accepted[b] += 1
+        return VerifyOutput(accepted, tokens)
+
+
+def _kept_mass(x: torch.Tensor, rows: Rows, b: int) -> torch.Tensor:
+    """Exact integer masses of row ``b``'s kept tokens (0 elsewhere): its final distribution."""
+    z = x.double() / rows.temperature[b]
+    return torch.where(kept_tokens(x, rows, b), mass(z, z.max(), x.numel()), 0)

@@ -12,11 +12,12 @@ depends on summation order (each rank sums its part, an integer all-reduce merge
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from vocabpar.sampling.noise import gumbel, row_keys
+from vocabpar.sampling.noise import gumbel, row_keys, uniform
 from vocabpar.sampling.params import Rows, TokenCounts
 
 NEG_INF = float("-inf")
@@ -42,6 +43,19 @@ class SampleOutput:
         """Row ``row``'s top list as (id, logprob) pairs, as long as the row asked."""
         pairs = zip(self.top_ids[row].tolist(), self.top_logprobs[row].tolist())
         return [(i, lp) for i, lp in pairs if i >= 0]
+
+
+@dataclass(frozen=True)
+class VerifyOutput:
+    """``accepted`` (int64 ``[B]``, 0..k): how many leading drafts each row kept; ``tokens`` (int64
+    ``[B, k+1]``): those drafts, then the correction or the bonus token, then -1."""
+
+    accepted: torch.Tensor
+    tokens: torch.Tensor
+
+    def emitted(self, row: int) -> list[int]:
+        """The tokens row ``row`` emits this step (``accepted + 1`` of them)."""
+        return self.tokens[row, : int(self.accepted[row]) + 1].tolist()
 
 
 def with_logprobs(tokens: torch.Tensor, counts: torch.Tensor, logprob: torch.Tensor, rank: torch.Tensor,
@@ -103,13 +117,16 @@ def processed_logits(raw: torch.Tensor, ids: torch.Tensor, rows: Rows,
     return x
 
 
-def check_rows(nan_rows: torch.Tensor, empty_rows: torch.Tensor) -> None:
-    """Raise the ``ValueError`` every rank raises for NaN rows / rows with nothing allowed."""
+def check_rows(nan_rows: torch.Tensor, empty_rows: torch.Tensor,
+               row_name: Callable[[int], str] | None = None) -> None:
+    """Raise the ``ValueError`` every rank raises for NaN rows / rows with nothing allowed, each
+    row named by ``row_name`` (default: its index)."""
     problems = []
     for what, bad in (("contain NaN logits", nan_rows), ("have no allowed token (all -inf)", empty_rows)):
         idx = bad.nonzero().flatten().tolist()
         if idx:
-            problems.append(f"rows {idx} {what}")
+            names = idx if row_name is None else "[" + ", ".join(row_name(i) for i in idx) + "]"
+            problems.append(f"rows {names} {what}")
     if problems:
         raise ValueError("cannot sample: " + "; ".join(problems))
 
@@ -190,3 +207,28 @@ def merge_argmax(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor,
     cand = torch.where((values == best) & (ids >= 0), ids, big)
     arg = cand.min(0).values
     return best, torch.where(arg == big, -1, arg)
+
+
+# ---------------------------------------------------------------------- speculative verification
+def accept_uniform(seed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The uniform that accepts or rejects a draft token, per (seed, position): float64."""
+    return uniform(row_keys(seed, positions, "accept"), torch.zeros_like(seed))
+
+
+def accepts(u: torch.Tensor, p_token: torch.Tensor, p_total: torch.Tensor, q_token: torch.Tensor,
+            q_total: torch.Tensor) -> torch.Tensor:
+    """Whether a draft token is accepted, with probability ``min(1, p / q)``: ``u * q < p`` for
+    ``p = p_token / p_total`` and ``q = q_token / q_total`` (exact integer masses, divided in
+    float64; a token the draft could not give, ``q = 0``, is accepted iff ``p > 0``)."""
+    return u * (q_token.double() / q_total.double()) < p_token.double() / p_total.double()
+
+
+def residual_scores(p: torch.Tensor, p_total: torch.Tensor, q: torch.Tensor, q_total: torch.Tensor,
+                    seed: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max scores of the correction after a rejection, drawn from ``(p - q)+``: per row
+    (``[F]`` totals, seeds and positions) and token (``[F, columns]`` masses, ``ids``), float64
+    ``log(p - q) + G`` where ``p > q``, else -inf. The noise is its own stream, independent of the
+    sampler's and of the draft's."""
+    r = p.double() / p_total.double()[:, None] - q.double() / q_total.double()[:, None]
+    noise = gumbel(row_keys(seed, positions, "residual")[:, None], ids)
+    return torch.where(r > 0, torch.log(r.clamp(min=0)) + noise, NEG_INF)

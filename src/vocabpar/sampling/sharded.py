@@ -81,7 +81,7 @@ from vocabpar.wire import MAX_CANDIDATES, SEARCH_BITS, SETTLE_BITS, SETTLE_TOKEN
 
 
 @dataclass(frozen=True)
-class _Ranks:
+class Ranks:
     """This rank's view of the group; ``n == 1`` (no collective) for a replicated layout."""
 
     group: comm.ProcessGroup
@@ -100,15 +100,16 @@ class _Ranks:
         return t if self.n == 1 else comm.all_reduce_max(t, self.group)
 
 
-def _ranks(layout: VocabLayout, group: comm.ProcessGroup) -> _Ranks:
+def group_ranks(layout: VocabLayout, group: comm.ProcessGroup) -> Ranks:
+    """This rank's view of ``group`` for ``layout``; raises if the group does not fit it."""
     if layout.scheme == "replicated":
-        return _Ranks(group, 0, 1, layout.local_token_ids(0), (layout.vocab_size,))
+        return Ranks(group, 0, 1, layout.local_token_ids(0), (layout.vocab_size,))
     n = comm.world_size(group)
     if n != layout.world_size:
         raise ValueError(f"layout is for {layout.world_size} ranks but the group has {n}")
     me = comm.rank(group)
     counts = tuple(s.num_org + s.num_added for s in layout.shards)
-    return _Ranks(group, me, n, layout.local_token_ids(me), counts)
+    return Ranks(group, me, n, layout.local_token_ids(me), counts)
 
 
 def sample(local_logits: torch.Tensor, layout: VocabLayout, params: SamplingParams, *,
@@ -129,7 +130,7 @@ def sample(local_logits: torch.Tensor, layout: VocabLayout, params: SamplingPara
 class _Inputs:
     """The validated per-call inputs, on the logits' device."""
 
-    ranks: _Ranks
+    ranks: Ranks
     rows: Rows
     positions: torch.Tensor
     token_counts: TokenCounts | None
@@ -143,7 +144,7 @@ def _checked_inputs(local_logits, layout, params, positions, group, token_counts
     checked: list[_Inputs] = []
 
     def facts() -> dict[str, comm.Fact]:
-        ranks = _ranks(layout, group)
+        ranks = group_ranks(layout, group)
         if not isinstance(local_logits, torch.Tensor) or local_logits.dtype != torch.float32 \
                 or local_logits.dim() != 2 or local_logits.shape[1] != ranks.ids.numel():
             raise ValueError(f"local logits must be float32 [B, {ranks.ids.numel()}] on rank {ranks.me}, "
@@ -157,55 +158,91 @@ def _checked_inputs(local_logits, layout, params, positions, group, token_counts
         if bitmask is not None:
             check_bitmask(bitmask, B, V)
         checked.append(_Inputs(ranks, rows, *to_device(local_logits.device, pos, token_counts, bitmask)))
-        per_row = [getattr(rows, name) for name in ROW_FIELDS]
         seen = [] if token_counts is None else [token_counts.ids, token_counts.counts] + (
             [] if token_counts.in_prompt is None else [token_counts.in_prompt.long()])
         counts = torch.full((B,), -1) if rows.logprobs is None else rows.logprobs
         return {**layout.describe(), "rows": B, "logprobs": counts,
                 "filter_order": rows.filter_order,
-                "sampling parameters": torch.cat([t.double().view(torch.long) if t.is_floating_point() else t
-                                                  for t in per_row]),
+                "sampling parameters": params_fact(rows),
                 "positions": pos, "token counts": torch.cat([t.flatten() for t in seen] + [torch.zeros(0)]),
                 "bitmask": torch.zeros(0) if bitmask is None else bitmask}
 
-    if layout.scheme == "replicated" or comm.world_size(group) == 1:
-        facts()  # no collective follows: local validation only
-    else:
-        comm.agree("sample", group, facts, check=check)
+    agreed("sample", layout, group, facts, check)
     return checked[0]
+
+
+def agreed(where: str, layout: VocabLayout, group: comm.ProcessGroup,
+           facts: Callable[[], dict[str, comm.Fact]], check: bool | None) -> None:
+    """Run ``facts`` (it validates this rank's input and returns what must be replicated) and,
+    when a collective follows (sharded logits, several ranks), agree on them across the group."""
+    if layout.scheme == "replicated" or comm.world_size(group) == 1:
+        facts()
+    else:
+        comm.agree(where, group, facts, check=check)
+
+
+def params_fact(rows: Rows) -> torch.Tensor:
+    """The per-row sampling parameters as one int64 tensor, for the agreement check."""
+    return torch.cat([getattr(rows, name).double().view(torch.long) if dtype.is_floating_point
+                      else getattr(rows, name) for name, dtype in ROW_FIELDS.items()])
 
 
 def _sample_on_device(local_logits, layout, params, positions, group, token_counts, bitmask,
                       check) -> SampleOutput:
     inputs = _checked_inputs(local_logits, layout, params, positions, group, token_counts, bitmask, check)
-    ranks, rows, positions, token_counts, bitmask = (inputs.ranks, inputs.rows, inputs.positions,
-                                                     inputs.token_counts, inputs.bitmask)
+    rows = inputs.rows
+    choice = choose(local_logits, layout, inputs.ranks, rows, inputs.positions, inputs.token_counts,
+                    inputs.bitmask)
+    tokens, step = choice.tokens, choice.step
+    if rows.logprobs is None:
+        return SampleOutput(tokens)
+    source = local_logits
+    if rows.logprobs_of == "processed":
+        source = choice.x if step is None else drawn_logits(choice.x, step.t, step.kept(choice.thr),
+                                                             choice.sampled)
+    # the ranks agreed on every input above: no second check
+    scores = token_logprobs(source, layout, tokens, top_n=rows.top_n, group=group, check=False)
+    return with_logprobs(tokens, rows.logprobs, scores.logprobs, scores.ranks, scores.top_ids,
+                         scores.top_logprobs)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The sampler's work on a batch of rows: the ``tokens`` (-1 for sampled rows not drawn),
+    this shard's processed logits ``x``, which rows were ``sampled`` (not greedy, finite max),
+    and, when any was, the rows' state ``step`` and their final thresholds ``thr`` (a row keeps
+    ``step.kept(thr)``)."""
+
+    tokens: torch.Tensor
+    x: torch.Tensor
+    sampled: torch.Tensor
+    step: _Rows | None
+    thr: torch.Tensor | None
+
+
+def choose(raw: torch.Tensor, layout: VocabLayout, ranks: Ranks, rows: Rows, positions: torch.Tensor,
+           token_counts: TokenCounts | None = None, bitmask: torch.Tensor | None = None,
+           draws: torch.Tensor | None = None, row_name: Callable[[int], str] | None = None) -> Choice:
+    """The sampler's steps on validated inputs (round one, thresholds, draw), shared by
+    :func:`sample` and the speculative verifier: only rows in ``draws`` (all when ``None``) are
+    drawn. NaN rows and rows with nothing allowed raise on every rank, named by ``row_name``."""
     V = layout.vocab_size
     penalty = None if token_counts is None else (*layout.local_ids(token_counts.ids, ranks.me), token_counts)
-    raw, ids = local_logits, ranks.ids
+    ids = ranks.ids
     x = processed_logits(raw, ids, rows, penalty, bitmask)
-
     c = _candidate_count(rows, V, ranks)
     r1 = _round_one(raw, x, ids, c, ranks)
     best, tokens = merge_argmax(torch.where(r1.xmax.isnan(), NEG_INF, r1.xmax), r1.xmax_id)
     nan_rows = r1.xmax.isnan().any(0)
-    check_rows(nan_rows, (best == NEG_INF) & ~nan_rows)
+    check_rows(nan_rows, (best == NEG_INF) & ~nan_rows, row_name)
     sampled = ~rows.greedy & (best < float("inf"))
     step = thr = None
     if sampled.any():
         step = _Rows(x, ids, rows, positions, sampled, ranks, V, c, r1, best)
         kappa = step.top_k_threshold()
         thr = torch.maximum(kappa, step.top_p_threshold(kappa))
-        tokens = step.draw(tokens, thr)
-    if rows.logprobs is None:
-        return SampleOutput(tokens)
-    source = raw
-    if rows.logprobs_of == "processed":
-        source = x if step is None else drawn_logits(x, step.t, step.kept(thr), sampled)
-    # the ranks agreed on every input above: no second check
-    scores = token_logprobs(source, layout, tokens, top_n=rows.top_n, group=group, check=False)
-    return with_logprobs(tokens, rows.logprobs, scores.logprobs, scores.ranks, scores.top_ids,
-                         scores.top_logprobs)
+        tokens = step.draw(tokens, thr, sampled if draws is None else sampled & draws)
+    return Choice(tokens, x, sampled, step, thr)
 
 
 # ---------------------------------------------------------------------- round one
@@ -219,7 +256,7 @@ class _RoundOne:
     cand_id: torch.Tensor  # int64 [n, B, c], -1 = none
 
 
-def _candidate_count(rows: Rows, V: int, ranks: _Ranks) -> int:
+def _candidate_count(rows: Rows, V: int, ranks: Ranks) -> int:
     sampled = ~rows.greedy
     if not sampled.any():
         return 0
@@ -249,7 +286,7 @@ def _f64_bits(t: torch.Tensor) -> torch.Tensor:
     return t.double().contiguous().view(torch.long)
 
 
-def _round_one(raw, x, ids, c: int, ranks: _Ranks) -> _RoundOne:
+def _round_one(raw, x, ids, c: int, ranks: Ranks) -> _RoundOne:
     """One all-gather, per row: the shard's (max, lowest id) with NaN folded into the max, then
     its top-``c`` candidates: ``(2 + 2c)·8`` bytes per row and rank."""
     B, R = x.shape
@@ -278,7 +315,7 @@ class _Rows:
     rows: Rows
     positions: torch.Tensor
     sampled: torch.Tensor
-    ranks: _Ranks
+    ranks: Ranks
     V: int
     c: int
     r1: _RoundOne
@@ -389,24 +426,34 @@ class _Rows:
 
     def local_mass(self, sel: torch.Tensor, kappa: torch.Tensor) -> torch.Tensor:
         """Integer masses of this shard's tokens of rows ``sel`` in their top-p pool."""
-        z = self.x[sel].double() / self.t[sel, None]
-        pool = top_p_pool(self.x[sel], z, kappa[sel, None], self.m[sel, None], self.rows.filter_order)
-        return torch.where(pool, mass(z, self.zmax[sel, None], self.V), 0)
+        order = self.rows.filter_order
+        return self._masses(sel, lambda x, z: top_p_pool(x, z, kappa[sel, None], self.m[sel, None], order))
 
-    def draw(self, tokens: torch.Tensor, thr: torch.Tensor) -> torch.Tensor:
-        """Gumbel-max over each row's kept tokens (``x >= thr``, ``z >= m``): rows a search drew
-        keep its token; rows whose kept tokens are all candidates are drawn locally; the rest take
-        one all-gather of each rank's best (score, id), 16 bytes per row."""
+    def kept_mass(self, sel: torch.Tensor, thr: torch.Tensor) -> torch.Tensor:
+        """Integer masses of this shard's tokens of rows ``sel`` that the rows keep, 0 elsewhere:
+        the rows' final distribution, unnormalised."""
+        return self._masses(sel, lambda x, z: (x >= thr[sel, None]) & (z >= self.m[sel, None]))
+
+    def _masses(self, sel: torch.Tensor, where: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        x = self.x[sel]
+        z = x.double() / self.t[sel, None]
+        return torch.where(where(x, z), mass(z, self.zmax[sel, None], self.V), 0)
+
+    def draw(self, tokens: torch.Tensor, thr: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
+        """Gumbel-max over the kept tokens (``x >= thr``, ``z >= m``) of the ``wanted`` rows (the
+        other sampled rows get -1): rows a search drew keep its token; rows whose kept tokens are
+        all candidates are drawn locally; the rest take one all-gather of each rank's best
+        (score, id), 16 bytes per row."""
         B, L, m, t = self.x.shape[0], self.L, self.m, self.t
-        drawn = self.drawn >= 0
-        local = self.sampled & ~drawn & (self.nothing_unsent | (thr > L) | (L / t < m))
-        tokens = torch.where(drawn, self.drawn, tokens)
+        drawn = wanted & (self.drawn >= 0)
+        local = wanted & ~drawn & (self.nothing_unsent | (thr > L) | (L / t < m))
+        tokens = torch.where(drawn, self.drawn, torch.where(self.sampled & ~wanted, -1, tokens))
         # the kept candidates' best score: exact where `local`, a lower bound on the winner elsewhere
-        keep = self.valid & self.sampled[:, None] & (self.cand >= thr[:, None]) & (self.cz >= m[:, None])
+        keep = self.valid & wanted[:, None] & (self.cand >= thr[:, None]) & (self.cz >= m[:, None])
         b, j = keep.nonzero(as_tuple=True)
         floor_score, arg = gumbel_argmax(b, self.cand_id[b, j], self.cz[b, j], self.rows, self.positions, B)
         tokens[local] = arg[local]
-        spread = (self.sampled & ~local & ~drawn).nonzero().flatten()
+        spread = (wanted & ~local & ~drawn).nonzero().flatten()
         if spread.numel():
             r, col, z = _contenders(self.x[spread], self.ids, thr[spread], t[spread], m[spread],
                                     floor_score[spread], self.noise_keys[spread])
@@ -463,7 +510,7 @@ class _Draw:
 
 
 def _threshold(u: torch.Tensor, weight: torch.Tensor | None, need: torch.Tensor | Callable,
-               lo: torch.Tensor, hi: torch.Tensor, ranks: _Ranks,
+               lo: torch.Tensor, hi: torch.Tensor, ranks: Ranks,
                draw: _Draw | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, the largest key ``v`` with ``sum(weight[u >= v]) >= need`` over all ranks, given
     ``lo <= v <= hi`` (``u``: this shard's keys in [0, 2**32), -1 = not a token; weight 1 when
@@ -561,7 +608,7 @@ def _histogram_round(key, wt, r, bits, shift, prefix, above, total, need, ranks)
     return shift - bits, (prefix << bits) | d, above, total, need, keep
 
 
-def _unsent_mass(r1: _RoundOne, t: torch.Tensor, zmax: torch.Tensor, ranks: _Ranks, V: int) -> torch.Tensor:
+def _unsent_mass(r1: _RoundOne, t: torch.Tensor, zmax: torch.Tensor, ranks: Ranks, V: int) -> torch.Tensor:
     """A guess (float64 ``[B]``, in the units of :func:`mass`) of the mass of the tokens no rank
     sent: each rank's tail continues the power law through its candidates of ranks c/2 and c
     (geometric tails, flat tails and Zipf tails all fit one), for as many tokens as it holds.

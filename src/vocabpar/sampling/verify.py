@@ -1,0 +1,181 @@
+"""Speculative decoding's verification step on vocab-sharded logits: exact, identical at any
+number of ranks, without gathering the target's logits or building a probability tensor.
+
+A request proposes ``k`` draft tokens; the target model's logits at the ``k`` draft positions and
+the one after them are sharded over the vocabulary. Per batch row, position ``i`` accepts or
+rejects draft ``x_i`` against ``p_i``, the target's distribution after the row's sampling
+parameters (the sampler's semantics), and ``q_i``, the draft's distribution after the same
+parameters (or one-hot at ``x_i`` when no draft logits are given):
+
+* deterministic drafts (no draft logits), greedy rows and positions whose target max is +inf:
+  ``x_i`` is accepted iff it equals the token :func:`~vocabpar.sampling.sharded.sample` draws at
+  ``positions + i``; the first token drawn that differs is the correction. For one-hot ``q`` this
+  is standard speculative sampling (accepted with probability ``p(x_i)``; the correction follows
+  ``p`` without ``x_i``), and every emitted token is the one plain decoding would have sampled.
+* draft logits: ``x_i`` is accepted iff ``u * q(x_i) < p(x_i)``, ``u`` uniform on the row's
+  "accept" noise stream; the correction after the first rejection is a Gumbel-max over
+  ``(p - q)+`` on the "residual" stream. ``p`` and ``q`` are exact integer masses over the kept
+  tokens (:func:`~vocabpar.sampling.semantics.mass`), so their totals do not depend on the
+  number of ranks.
+* after ``k`` acceptances the bonus token is :func:`sample`'s draw at ``positions + k``.
+
+Collectives (agreement check off): those of one :func:`sample` call over the ``B·(k+1)`` target
+rows -- and, with draft logits, over the ``B·k`` draft rows in the same call -- then, with draft
+logits and a sampled row, one all-reduce of 4 int64 per (row, draft position) (target total, the
+draft token's target mass, draft total, the draft token's draft mass) and, when some row rejected,
+one all-gather of each rank's best correction (score, id), 16 bytes per row. Greedy
+verification is one all-gather of 16 bytes per (row, position). Bytes never depend on V.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vocabpar import comm
+from vocabpar.layout import VocabLayout
+from vocabpar.sampling.params import SamplingParams, check_positions, check_verify_inputs, on_device
+from vocabpar.sampling.semantics import (
+    NEG_INF,
+    VerifyOutput,
+    accept_uniform,
+    accepts,
+    merge_argmax,
+    residual_scores,
+    row_argmax,
+)
+from vocabpar.sampling.sharded import Choice, Ranks, agreed, choose, group_ranks, params_fact
+
+MASS_BLOCK = 2**22  # logits per block of the acceptance masses: bounds the float64 temporaries
+
+
+def verify(target_logits: torch.Tensor, layout: VocabLayout, params: SamplingParams,
+           draft_tokens: torch.Tensor, *, positions: torch.Tensor, draft_logits: torch.Tensor | None = None,
+           group: comm.ProcessGroup = None, check: bool | None = None) -> VerifyOutput:
+    """Verify ``draft_tokens`` (int64 ``[B, k]``, replicated) against this rank's FP32 shard of the
+    target logits ``[B, k+1, rows]`` (storage order of the layout's shard, padding ignored) and,
+    optionally, of the draft logits ``[B, k, rows]``; draft ``i`` sits at ``positions + i``. Every
+    rank returns the same :class:`VerifyOutput`, equal to :func:`reference_verify` on the full
+    logits. Bad input on any rank (shapes, draft ids out of range, parameters) or ranks that
+    disagree on what must be replicated raise the same ``ValueError`` on every rank."""
+    device = target_logits.device if isinstance(target_logits, torch.Tensor) else torch.device("cpu")
+    with on_device(device):
+        return _verify_on_device(target_logits, layout, params, draft_tokens, positions, draft_logits, group,
+                                 check)
+
+
+def _verify_on_device(target_logits, layout, params, draft_tokens, positions, draft_logits, group,
+                      check) -> VerifyOutput:
+    V = layout.vocab_size
+    inputs: list[tuple[Ranks, int, int, torch.Tensor]] = []
+
+    def facts() -> dict[str, comm.Fact]:
+        ranks = group_ranks(layout, group)
+        where = f" on rank {ranks.me}"
+        B, k = check_verify_inputs(target_logits, draft_tokens, draft_logits, V, ranks.ids.numel(), where)
+        rows = params.resolve(B, V)
+        if rows.logprobs is not None:
+            raise ValueError("verify returns no logprobs: score the emitted tokens with token_logprobs")
+        pos = check_positions(positions, B)
+        inputs.append((ranks, B, k, pos.to(target_logits.device)))
+        return {**layout.describe(), "rows": B, "draft tokens": draft_tokens,
+                "draft logits": "given" if draft_logits is not None else "none",
+                "filter_order": rows.filter_order, "sampling parameters": params_fact(rows), "positions": pos}
+
+    agreed("verify", layout, group, facts, check)
+    ranks, B, k, pos = inputs[0]
+    drafts = draft_tokens.to(pos.device)
+    index, offset = _stacked_rows(B, k, draft_logits is not None)
+    raw = target_logits.reshape(B * (k + 1), -1)
+    if draft_logits is not None:
+        raw = torch.cat([raw, draft_logits.reshape(B * k, -1)])
+    rows = params.take(B, V, index).resolve(index.numel(), V)
+    targets = B * (k + 1)
+    choice = choose(raw, layout, ranks, rows, pos[index] + offset,
+                    draws=torch.arange(index.numel()) < targets, row_name=lambda j: _row_name(j, B, k))
+    drawn = choice.tokens[:targets].view(B, k + 1)
+    accept = drafts == drawn[:, :k]
+    weighed = torch.zeros(B, k, dtype=torch.bool)
+    if draft_logits is not None:
+        weighed = choice.sampled[:targets].view(B, k + 1)[:, :k]
+    masses = None
+    if bool(weighed.any()):
+        masses = _Masses(choice, layout, ranks, drafts, pos, weighed, k)
+        accept = torch.where(weighed, masses.accept, accept)
+    accepted = accept.long().cumprod(1).sum(1)
+    tokens = torch.full((B, k + 1), -1, dtype=torch.long)
+    keep = torch.arange(k + 1) < accepted[:, None]
+    tokens[:, :k] = torch.where(keep[:, :k], drafts, -1)
+    last = drawn.gather(1, accepted[:, None])[:, 0]
+    if masses is not None:
+        last = masses.correct(last, accepted)
+    tokens.scatter_(1, accepted[:, None], last[:, None])
+    return VerifyOutput(accepted, tokens)
+
+
+def _stacked_rows(B: int, k: int, with_drafts: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch row and position offset of each stacked row: the target's ``B·(k+1)`` rows
+    (row ``b``, position ``i`` at ``b·(k+1) + i``), then the draft's ``B·k``."""
+    shapes = [(B, k + 1)] + ([(B, k)] if with_drafts else [])
+    index = torch.cat([torch.arange(b).repeat_interleave(w) for b, w in shapes])
+    offset = torch.cat([torch.arange(w).repeat(b) for b, w in shapes])
+    return index, offset
+
+
+def _row_name(j: int, B: int, k: int) -> str:
+    which, j = ("target", j) if j < B * (k + 1) else ("draft", j - B * (k + 1))
+    width = k + 1 if which == "target" else k
+    return f"{which} row {j // width} position {j % width}"
+
+
+class _Masses:
+    """The draft-logit positions' exact masses: per weighed (row, position) the target's and the
+    draft's totals and masses of the draft token, summed over ranks in one all-reduce."""
+
+    def __init__(self, choice: Choice, layout: VocabLayout, ranks: Ranks, drafts: torch.Tensor,
+                 pos: torch.Tensor, weighed: torch.Tensor, k: int) -> None:
+        B = drafts.shape[0]
+        self.choice, self.layout, self.ranks, self.pos, self.k = choice, layout, ranks, pos, k
+        b, i = weighed.nonzero(as_tuple=True)
+        cols, owned = layout.local_ids(drafts[b, i], ranks.me)
+        local = torch.zeros(b.numel(), 4, dtype=torch.long)
+        block = max(1, MASS_BLOCK // max(ranks.ids.numel(), 1))
+        for start in range(0, b.numel(), block):
+            s = slice(start, start + block)
+            for side, first in enumerate(self._rows(b[s], i[s])):
+                m = choice.step.kept_mass(first, choice.thr)
+                local[s, 2 * side] = m.sum(1)
+                local[s, 2 * side + 1] = torch.where(owned[s], m.gather(1, cols[s, None])[:, 0], 0)
+        total = ranks.sum(local)
+        u = accept_uniform(choice.step.rows.seed[b * (k + 1)], pos[b] + i)
+        self.accept = torch.zeros(B, k, dtype=torch.bool)
+        self.accept[b, i] = accepts(u, total[:, 1], total[:, 0], total[:, 3], total[:, 2])
+        self.weighed, self.total, self.b, self.i = weighed, total, b, i
+
+    def _rows(self, b: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stacked indices of the target's and the draft's rows at (b, i)."""
+        B = self.pos.shape[0]
+        return b * (self.k + 1) + i, B * (self.k + 1) + b * self.k + i
+
+    def correct(self, last: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+        """The corrections of the rows that rejected a weighed draft: Gumbel-max over ``(p - q)+``
+        (one all-gather of each rank's best (score, id)); a row where ``p <= q`` everywhere (only
+        when rounding makes them equal) keeps the target's own draw."""
+        k = self.k
+        rejected = (accepted < k) & self.weighed.gather(1, accepted.clamp(max=max(k - 1, 0))[:, None])[:, 0]
+        b = rejected.nonzero().flatten()
+        if not b.numel():
+            return last
+        j = accepted[b]
+        f = torch.searchsorted(self.b * k + self.i, b * k + j)  # the weighed entry of (b, j)
+        target, draft = self._rows(b, j)
+        step, ids = self.choice.step, self.ranks.ids
+        scores = residual_scores(step.kept_mass(target, self.choice.thr), self.total[f, 0],
+                                 step.kept_mass(draft, self.choice.thr), self.total[f, 2],
+                                 step.rows.seed[target], self.pos[b] + j, ids)
+        r, col = (scores > NEG_INF).nonzero(as_tuple=True)
+        best, arg = row_argmax(r, ids[col], scores[r, col], b.numel())
+        g = self.ranks.gather(torch.stack([best.contiguous().view(torch.long), arg], 1))
+        score, token = merge_argmax(g[..., 0].contiguous().view(torch.float64), g[..., 1])
+        last = last.clone()
+        last[b] = torch.where(score > NEG_INF, token, last[b])
+        return last
