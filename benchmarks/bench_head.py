@@ -3,7 +3,7 @@
 Side by side from one run: prefill of 8 sequences x 512 tokens, head on all rows vs the last
 row of each sequence; DP attention with 64 rows per rank, logits returned by all-to-all vs
 SGLang's all-gather-then-scatter (exact bytes, wall ratio); B=1024 FP32 logits consumed chunk
-by chunk (max_rows=64) vs collected whole (peak RSS per rank); PyTorch DTensor ColwiseParallel
+by chunk (chunk_rows=64) vs collected whole (peak RSS per rank); PyTorch DTensor ColwiseParallel
 head with replicated output vs our all_gather at B=256.
 
     .venv/bin/python benchmarks/bench_head.py [--ranks 4] [--reps 3]
@@ -82,12 +82,12 @@ def bench(reps: int) -> dict:
 
     def chunked():
         out = torch.empty(1024)
-        for part, logits in iter_logits(head, rows, strategy="all_gather", max_rows=64):
+        for part, logits in iter_logits(head, rows, strategy="all_gather", chunk_rows=64):
             out[part] = torch.logsumexp(logits, dim=1)
         return out
 
     assert torch.allclose(whole(), chunked())
-    res["memory"] = {"chunked (max_rows=64)": peak_rss_delta(chunked), "whole": peak_rss_delta(whole)}
+    res["memory"] = {"chunked (chunk_rows=64)": peak_rss_delta(chunked), "whole": peak_rss_delta(whole)}
     # 4. DTensor ColwiseParallel head, replicated output, vs ours at B=256
     batch = torch.randn(256, H, generator=g).to(torch.bfloat16)
     res["dtensor"] = {"vocabpar all_gather (fp32 logits)":
@@ -135,8 +135,8 @@ def main() -> None:
           f"{x['all_gather'] / x['all_to_all']:.2f}x\n")
     m = res["memory"]
     print(f"B=1024 FP32 logits, per-row logsumexp: peak RSS rise chunked "
-          f"{fmt_bytes(m['chunked (max_rows=64)'])} vs whole {fmt_bytes(m['whole'])}: "
-          f"{m['chunked (max_rows=64)'] / m['whole']:.3f} of unchunked\n")
+          f"{fmt_bytes(m['chunked (chunk_rows=64)'])} vs whole {fmt_bytes(m['whole'])}: "
+          f"{m['chunked (chunk_rows=64)'] / m['whole']:.3f} of unchunked\n")
     d = res["dtensor"]
     ours, theirs = d["vocabpar all_gather (fp32 logits)"], d["DTensor ColwiseParallel (bf16 logits)"]
     print(f"B=256 head + all-gather: vocabpar {ours * 1e3:.1f} ms (FP32 logits), DTensor ColwiseParallel "

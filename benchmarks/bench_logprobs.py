@@ -4,7 +4,7 @@ Per rank: seeded FP32 hidden rows [T, H] and target ids [T] (the same on every r
 ``ParallelLMHead`` on ``VocabLayout(V, 4)``. Both paths walk the prompt in chunks of 256 rows
 and run in the same processes on the same inputs, side by side:
 
-* sharded: ``iter_logits(strategy="none", max_rows=256)`` and ``token_logprobs`` on each
+* sharded: ``iter_logits(strategy="none", chunk_rows=256)`` and ``token_logprobs`` on each
   [256, V/4] local block (2 collectives per chunk, plus the 256-byte agreement check);
 * gather (what engines do): ``compute_logits(strategy="all_gather")`` per chunk, i.e. full
   [256, V] FP32 rows on every rank, then ``log_softmax``, the targets' values and ``topk``;
@@ -83,7 +83,7 @@ def _setup(tokens: int):
 
 def _sharded(head, layout, hidden, targets, top_n: int) -> TokenLogprobs:
     parts = []
-    for rows, local in iter_logits(head, hidden, strategy="none", max_rows=CHUNK):
+    for rows, local in iter_logits(head, hidden, strategy="none", chunk_rows=CHUNK):
         parts.append(token_logprobs(local, layout, targets[rows], top_n=top_n))
         del local  # else the loop variable keeps this chunk alive while the next one is computed
     return TokenLogprobs.concat(parts)
@@ -91,7 +91,7 @@ def _sharded(head, layout, hidden, targets, top_n: int) -> TokenLogprobs:
 
 def _head_only(head, hidden) -> None:
     """The floor both paths share: the local head GEMM per chunk, logits dropped."""
-    for _rows, local in iter_logits(head, hidden, strategy="none", max_rows=CHUNK):
+    for _rows, local in iter_logits(head, hidden, strategy="none", chunk_rows=CHUNK):
         del local
 
 

@@ -65,13 +65,13 @@ def _scenarios():
                                                               strategy="all_to_all"),
         "logits_hidden_content": lambda: compute_logits(head, other if me else hidden, strategy="all_gather"),
         "logits_strategy": lambda: compute_logits(head, hidden, strategy="gather" if me else "all_gather"),
-        "logits_chunking": lambda: compute_logits(head, hidden, strategy="all_gather", max_rows=2 + me),
+        "logits_chunking": lambda: compute_logits(head, hidden, strategy="all_gather", chunk_rows=2 + me),
         "logits_bad_hidden_on_one_rank": lambda: compute_logits(head, hidden[:, : H - me],
                                                                 strategy="all_gather"),
         "logits_dp_bad_hidden_on_one_rank": lambda: compute_logits(head, hidden[:, : H - me],
                                                                    strategy="dp_gather_scatter"),
         "logits_dp_chunking": lambda: compute_logits(head, hidden[: 1 + me], strategy="dp_gather_scatter",
-                                                     max_rows=2 + me),
+                                                     chunk_rows=2 + me),
         "sample_batch": lambda: sampled(full=logits[: 3 + me], pos=positions[: 3 + me]),
         "sample_params": lambda: sampled(params=SamplingParams(top_p=0.9 if me else 0.8)),
         "sample_seed": lambda: sampled(params=SamplingParams(seed=me)),
@@ -148,7 +148,7 @@ def test_logits_row_count_all_to_all(seen):
 
 def test_logits_hidden_content_strategy_and_chunking(seen):
     _same_error(seen, "logits_hidden_content", "the content of hidden differs between ranks {0} and {1}")
-    _same_error(seen, "logits_chunking", "rank 0 has max_rows=2, rank 1 has max_rows=3")
+    _same_error(seen, "logits_chunking", "rank 0 has chunk_rows=2, rank 1 has chunk_rows=3")
     for per_rank, other in zip(seen, ("'gather'", "'all_gather'")):
         assert "strategy" in per_rank["logits_strategy"] and other not in per_rank["logits_strategy"]
 
@@ -160,7 +160,7 @@ def test_logits_bad_hidden_on_one_rank_fails_every_rank(seen, name):
 
 
 def test_dp_rows_may_differ_but_chunking_may_not(seen):
-    _same_error(seen, "logits_dp_chunking", "rank 0 has max_rows=2, rank 1 has max_rows=3")
+    _same_error(seen, "logits_dp_chunking", "rank 0 has chunk_rows=2, rank 1 has chunk_rows=3")
 
 
 def test_sample_batch_and_layout(seen):

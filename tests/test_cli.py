@@ -12,8 +12,8 @@ def test_layout_shows_vllm_example(capsys):
     assert main(["layout", "--vocab", "1026", "--org-vocab", "1010", "--ranks", "2",
                  "--scheme", "padded"]) == 0
     out = capsys.readouterr().out
-    assert "padded size 1088" in out
-    assert "[1010, 1026)" in out and "544" in out
+    assert "padded size 1088" in out and "(org 1010, added 16)" in out
+    assert "[1010, 1026)" in out and "544" in out and "org ids" in out
 
 
 def test_layout_default_is_deepseek_at_8_ranks(capsys):

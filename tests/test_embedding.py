@@ -249,3 +249,12 @@ def test_exchange_cost_model_prefers_all_reduce_under_skew():
     skewed = exchange_costs([700, 200, 100, 24], 1024)
     assert skewed["owner_gather"] == 2100 > skewed["all_reduce"]
     assert exchange_costs([1024], 1024) == {"all_reduce": 0, "owner_gather": 0}
+
+
+def test_exchange_costs_are_the_planners_formula():
+    """``auto`` chooses with the planner's byte formula, scaled to rows."""
+    from vocabpar.plan import embedding_exchange_bytes
+
+    counts, H, b = [700, 200, 100, 24], 64, 2
+    for mode, rows in exchange_costs(counts, 1024).items():
+        assert embedding_exchange_bytes(mode, 1024, H, 4, b, owned=max(counts)) == round(rows * H * b)

@@ -14,7 +14,9 @@ from vocabpar import (
     reference_logits,
     select_rows,
 )
+from vocabpar.collect import RUN
 from vocabpar.launch import LaunchError, run
+from vocabpar.strategies import STRATEGIES as STRATEGY_FACTS
 
 SHAPES = [(1026, 1010, 24), (5003, None, 16), (5, None, 8)]  # added vocab, no added vocab, empty shards
 STRATEGIES = ["all_gather", "gather", "all_to_all", "dp_gather_scatter", "dp_sglang", "none"]
@@ -45,12 +47,13 @@ def _collect_sweep(deterministic):
         dp_rows = torch.arange(me * (me + 1) // 2, (me + 1) * (me + 2) // 2)  # rank r brings r + 1 rows
         block = torch.arange(me * 24 // n, (me + 1) * 24 // n)
         strategies = STRATEGIES + (["replicated"] if scheme == "replicated" else [])
-        for strategy, max_rows in itertools.product(strategies, (None, 5)):
+        for strategy, chunk_rows in itertools.product(strategies, (None, 5)):
             dp = strategy.startswith("dp_")
             rows = dp_rows if dp else block if strategy == "all_to_all" else None
             h = hidden[dp_rows] if dp else hidden
-            got = compute_logits(head, h, strategy="dp_gather_scatter" if dp else strategy, max_rows=max_rows,
-                                 dst=n - 1, scatter="all_gather" if strategy == "dp_sglang" else "all_to_all")
+            got = compute_logits(head, h, strategy="dp_gather_scatter" if dp else strategy,
+                                 chunk_rows=chunk_rows, dst=n - 1,
+                                 scatter="all_gather" if strategy == "dp_sglang" else "all_to_all")
             want = ref if rows is None else ref[rows]
             if strategy == "gather" and me != n - 1:
                 ok = got is None
@@ -62,7 +65,7 @@ def _collect_sweep(deterministic):
             else:
                 ok = _match(got, want, deterministic)
             if not ok:
-                failures.append((vocab, scheme, str(dtype), tied, strategy, max_rows))
+                failures.append((vocab, scheme, str(dtype), tied, strategy, chunk_rows))
     return failures
 
 
@@ -100,7 +103,7 @@ def _features_and_traffic():
     out["features"] = torch.equal(compute_logits(head, hidden, strategy="all_gather"), ref)
     local = head.local_logits(hidden[:3])
     out["stride"] = (local.stride(0) * 4) % 32 == 0 and local.shape == (3, layout.shard(me).rows)
-    # exact bytes of each collection, per rank, for B = 24 rows of fp32 shards of max_rows columns
+    # exact bytes of each collection, per rank, for B = 24 rows of fp32 shards padded to the widest
     plain = ParallelLMHead(layout, 16)
     plain.load_full_weight(weight)
     traffic = {}
@@ -128,7 +131,7 @@ def _features_and_traffic():
         "dp_one_rank_bad": lambda: compute_logits(plain, torch.zeros(2, 15 if me == n - 1 else 16),
                                                   strategy="dp_gather_scatter"),
         "call_as_layer": lambda: plain(hidden),
-        "max_rows": lambda: compute_logits(plain, hidden, strategy="all_gather", max_rows=0),
+        "chunk_rows": lambda: compute_logits(plain, hidden, strategy="all_gather", chunk_rows=0),
     }.items():
         try:
             call()
@@ -141,7 +144,7 @@ def _features_and_traffic():
     # fast mode: another chunking or group handle agrees to FP32 rounding (BLAS picks kernels by shape)
     once = compute_logits(plain, hidden, strategy="all_gather")
     out["world_handle"] = _match(world, once, exact=False)
-    chunked = compute_logits(plain, hidden, strategy="all_gather", max_rows=7)
+    chunked = compute_logits(plain, hidden, strategy="all_gather", chunk_rows=7)
     out["chunked"] = _match(chunked, once, exact=False)
     return out
 
@@ -168,6 +171,13 @@ def test_collection_bytes_per_strategy(features):
         assert traffic["gather"] == ((0, (n - 1) * 24 * width) if me == 0 else (24 * width, 0))
         assert traffic["all_to_all"] == ((n - 1) * 6 * width,) * 2
         assert traffic["none"] == (0, 0)
+        for name, (_, received) in traffic.items():  # the registry's formula, on the receiving ranks
+            rows = STRATEGY_FACTS[name].gathered_rows(24, n) if STRATEGY_FACTS[name].owns(24, n, me) else 0
+            assert received == (n - 1) * rows * width, name
+
+
+def test_every_registered_strategy_has_a_run_function():
+    assert RUN.keys() == STRATEGY_FACTS.keys()
 
 
 def test_gather_then_broadcast_tokens(features):
@@ -185,7 +195,7 @@ def test_empty_batches(features):
     ("indivisible", "all_to_all splits rows into 4 equal blocks, but there are 9 rows"),
     ("unknown", "unknown strategy 'scatter'"),
     ("call_as_layer", "not a layer"),
-    ("max_rows", "max_rows must be a positive int"),
+    ("chunk_rows", "chunk_rows must be a positive int"),
 ])
 def test_bad_input_is_rejected_on_every_rank(features, name, message):
     assert all(message in out["errors"][name] for out in features)

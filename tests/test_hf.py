@@ -13,7 +13,7 @@ from vocabpar.integrations.hf import parallelize, reference_generate  # noqa: E4
 PROMPTS = [[5, 17, 300, 42, 9], [7, 8], [1000, 2, 31999]]  # different lengths: left padding
 TOKENS = 3
 SAMPLED = SamplingParams(temperature=0.9, top_k=200, top_p=0.95, presence_penalty=0.5, seed=[11, 12, 13])
-# (scheme, collect for greedy, collect for sampled, exchange); each (ranks, model) takes one, so
+# (scheme, strategy for greedy, strategy for sampled, exchange); each (ranks, model) takes one, so
 # every pair runs at some rank count > 1
 PAIRS = [("padded", "all_gather", "none", "auto"), ("padded", "gather", "dp_gather_scatter", "all_reduce"),
          ("padded", "all_to_all", "gather", "owner_gather"), ("uneven", "all_gather", "none", "auto"),
@@ -38,14 +38,14 @@ def _generate_every_model(references):
 
     n, failures = comm.world_size(), []
     for i, name in enumerate(MODELS):
-        scheme, greedy_collect, sampled_collect, exchange = PAIRS[(3 * n + i) % len(PAIRS)]
-        lm = parallelize(build_model(name), scheme=scheme, collect=greedy_collect, exchange=exchange)
+        scheme, greedy_strategy, sampled_strategy, exchange = PAIRS[(3 * n + i) % len(PAIRS)]
+        lm = parallelize(build_model(name), scheme=scheme, strategy=greedy_strategy, exchange=exchange)
         greedy = lm.generate(PROMPTS, None, TOKENS).tokens
-        sampled = dataclasses.replace(lm, collect=sampled_collect).generate(PROMPTS, SAMPLED, TOKENS).tokens
-        for mode, got, want, collect in (("greedy", greedy, references[name][0], greedy_collect),
-                                         ("sampled", sampled, references[name][1], sampled_collect)):
+        sampled = dataclasses.replace(lm, strategy=sampled_strategy).generate(PROMPTS, SAMPLED, TOKENS).tokens
+        for mode, got, want, strategy in (("greedy", greedy, references[name][0], greedy_strategy),
+                                         ("sampled", sampled, references[name][1], sampled_strategy)):
             if got != want:
-                failures.append((name, mode, scheme, collect, got, want))
+                failures.append((name, mode, scheme, strategy, got, want))
     return failures
 
 
@@ -70,10 +70,10 @@ def test_parallelize_replaces_modules_and_keeps_ties():
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="unknown collect"):
-        parallelize(build_model("llama"), collect="scatter")
+    with pytest.raises(ValueError, match="unknown strategy"):
+        parallelize(build_model("llama"), strategy="scatter")
     with pytest.raises(ValueError, match="replicated"):
-        parallelize(build_model("llama"), scheme="padded", collect="replicated")
+        parallelize(build_model("llama"), scheme="padded", strategy="replicated")
     lm = parallelize(build_model("llama"))
     for prompts, tokens in (([], 2), ([[1], []], 2), ([[1]], 0)):
         with pytest.raises(ValueError):
@@ -111,9 +111,9 @@ PENALTY = 1.8
 def _repetition_penalty_generate():
     """This rank's greedy tokens with the repetition penalty, through both samplers."""
     params = SamplingParams(temperature=0, repetition_penalty=PENALTY)
-    return {collect: parallelize(build_model("gpt2"), collect=collect).generate(REPEAT_PROMPTS, params,
-                                                                                REPEAT_TOKENS).tokens
-            for collect in ("none", "all_gather")}
+    return {strategy: parallelize(build_model("gpt2"), strategy=strategy).generate(REPEAT_PROMPTS, params,
+                                                                                   REPEAT_TOKENS).tokens
+            for strategy in ("none", "all_gather")}
 
 
 def test_repetition_penalty_over_the_prompt_matches_transformers():
@@ -160,8 +160,8 @@ SCORED = torch.tensor([[5, 17, 300, 42, 9, 11, 12], [7, 8, 9, 10, 11, 12, 13]])
 
 
 def _score_and_prompt_logprobs(name):
-    lm = parallelize(build_model(name), collect="none", scheme="uneven")
-    scores = lm.score(SCORED, top_n=3, max_rows=5)  # several chunks of 5 hidden rows
+    lm = parallelize(build_model(name), strategy="none", scheme="uneven")
+    scores = lm.score(SCORED, top_n=3, chunk_rows=5)  # several chunks of 5 hidden rows
     prompts = [p[: 2 + 2 * b] for b, p in enumerate(PROMPTS)]
     g = lm.generate(prompts, None, 2, prompt_logprobs=2)
     return scores, [(p.logprobs, p.top_ids) for p in g.prompt_logprobs], g.tokens

@@ -3,6 +3,7 @@ import math
 from dataclasses import replace
 
 import pytest
+import torch
 
 from vocabpar import VocabLayout
 from vocabpar import plan as P
@@ -159,7 +160,7 @@ def test_workload_validation():
             replace(P.STUDY, **bad)
     with pytest.raises(ValueError, match="unknown dtype"):
         P.dtype_bytes("fp7")
-    with pytest.raises(ValueError, match="unknown collection"):
+    with pytest.raises(ValueError, match="unknown strategy"):
         P.logits_collection_bytes("psum", 1, 10, 2, 4)
 
 
@@ -216,6 +217,12 @@ EXTREMES += [(flag, value) for flag in ("--vocab", "--hidden", "--ranks", "--dp"
                                         "--pad-to") for value in ("-1", "1e3", "1.5", "9" * 30)]
 EXTREMES += [("--vocab", "0"), ("--hidden", "0"), ("--ranks", "0"), ("--dp", "0"), ("--pad-to", "0"),
              ("--ranks", "65537"), ("--bandwidth", "0"), ("--flops", "0"), ("--kv-bytes-per-token", "0")]
+EXTREMES += [(flag, value) for flag in ("--temperature", "--top-p", "--min-p", "--skew")
+             for value in ("1e300", "nan", "inf", "-inf", "-1", "-1e-300", "x")]
+EXTREMES += [(flag, value) for flag in ("--top-k", "--spec-tokens", "--score-tokens", "--score-top-n")
+             for value in ("-1", "1e3", "1.5", "9" * 30)]
+EXTREMES += [("--top-p", "0"), ("--top-p", "1.01"), ("--min-p", "1.01"), ("--skew", "1.01"),
+             ("--spec-tokens", "1025")]
 
 
 @pytest.mark.parametrize("flag,value", EXTREMES)
@@ -228,7 +235,8 @@ def test_cli_rejects_out_of_range_numbers(flag, value, capsys):
 
 
 @pytest.mark.parametrize("argv", [["--preset", "nope"], ["--weight-dtype", "fp7"], ["--dp", "3"],
-                                  ["--vocab", "1", "--ranks", "4096", "--pad-to", "4095", "--headroom", "0"]])
+                                  ["--vocab", "1", "--ranks", "4096", "--pad-to", "4095", "--headroom", "0"],
+                                  ["--skew", "0.1"], ["--ranks", "3", "--skew", "0.33"]])
 def test_cli_bad_input(argv, capsys):
     assert main(["plan", *argv]) == 2
     captured = capsys.readouterr()
@@ -291,22 +299,133 @@ def test_cli_plot_unwritable(argv, tmp_path, monkeypatch, capsys):
     assert f"argument --plot: cannot write {argv[1]!r}" in captured.err
 
 
-def test_latency_per_collective_prices_every_design(capsys):
+def _designs_json(capsys, *argv: str) -> dict[str, dict]:
+    assert main(["plan", "--json", *argv]) == 0
+    return {d["name"]: d for d in json.loads(capsys.readouterr().out)["designs"]}
+
+
+@pytest.mark.parametrize("sampling", [[], ["--top-p", "0.9"], ["--temperature", "0.8", "--top-k", "1000"]])
+def test_latency_per_collective_prices_every_design(sampling, capsys):
     """Step time = collectives x latency + bytes / bandwidth + head time: moving the latency from
-    0 to 50 us moves each design by exactly its collectives x 50 us; replicated designs make
-    none on the decode path."""
-    times = {}
-    for latency in ("0", "50"):
-        assert main(["plan", "--json", "--latency-us", latency]) == 0
-        data = json.loads(capsys.readouterr().out)
-        times[latency] = {d["name"]: (d["step_time_s"], d["collectives"]) for d in data["designs"]}
-    for name, (fast, calls) in times["0"].items():
-        slow, same_calls = times["50"][name]
-        assert calls == same_calls
-        assert slow - fast == pytest.approx(calls * 50e-6, rel=1e-9, abs=1e-15)
-    assert times["0"]["deepinfer-replicated"][1] == times["0"]["llama.cpp"][1] == 0
-    assert times["0"]["vllm-gather"][1] == times["0"]["vllm-all-gather"][1] + 1  # ids broadcast
-    assert times["0"]["vocabpar-sharded"][1] == 2  # owner gather + greedy round one
+    0 to 50 us moves each design by exactly its collectives x 50 us (typical and worst case);
+    replicated designs make none on the decode path."""
+    fast, slow = (_designs_json(capsys, "--latency-us", latency, *sampling) for latency in ("0", "50"))
+    for name, d in fast.items():
+        assert (d["collectives"], d["collectives_worst"]) == (slow[name]["collectives"],
+                                                              slow[name]["collectives_worst"])
+        assert slow[name]["step_time_s"] - d["step_time_s"] == pytest.approx(
+            d["collectives"] * 50e-6, rel=1e-9, abs=1e-15)
+        assert slow[name]["step_time_worst_s"] - d["step_time_worst_s"] == pytest.approx(
+            d["collectives_worst"] * 50e-6, rel=1e-9, abs=1e-15)
+    for name in ("deepinfer-replicated", "llama.cpp"):
+        assert fast[name]["collectives"] == fast[name]["collectives_worst"] == fast[name]["step_bytes"] == 0
+    assert fast["vllm-gather"]["collectives"] == fast["vllm-all-gather"]["collectives"] + 1  # ids broadcast
+    if not sampling:
+        assert fast["vocabpar-sharded"]["collectives"] == 2  # owner gather + greedy round one
+
+
+def test_sampled_steps_cost_at_least_greedy_on_shards(capsys):
+    """--top-p (temperature 1 by default) prices the sampler's rounds: at least greedy's
+    collectives and bytes; the collecting designs sample locally and do not change."""
+    greedy = _designs_json(capsys)
+    top_p = _designs_json(capsys, "--top-p", "0.9")
+    sharded, base = top_p["vocabpar-sharded"], greedy["vocabpar-sharded"]
+    assert base["collectives"] == base["collectives_worst"] == 2
+    assert sharded["collectives"] >= base["collectives"] and sharded["step_bytes"] > base["step_bytes"]
+    assert sharded["collectives_worst"] >= sharded["collectives"] and \
+        sharded["step_bytes_worst"] > sharded["step_bytes"]
+    # typical: round one with 512/8 = 64 candidates per rank, the top-p total; worst: + search, ties, draw
+    B, n = 256, 8
+    round_one = (n - 1) * B * (2 + 2 * 64) * 8
+    assert sharded["collection_bytes"] == round_one + round(2 * 7 / 8 * B * 8)
+    assert (sharded["collectives"], sharded["collectives_worst"]) == (1 + 2, 1 + 7)
+    for name in ("vllm-all-gather", "sglang-all-to-all", "deepinfer-replicated"):
+        assert top_p[name] == greedy[name]
+    greedy_again = _designs_json(capsys, "--top-p", "0.9", "--temperature", "0")
+    assert greedy_again["vocabpar-sharded"] == base
+
+
+def test_sampler_traffic_per_parameter():
+    n, B, V, widest = 4, 16, 12000, 3000
+    t = P.sampler_traffic(B, n, widest, V, P.Sampling(temperature=1.0, top_k=50))
+    assert (t.collectives, t.bytes) == (1, 3 * B * (2 + 2 * 50) * 8)  # the top-k set is among the candidates
+    assert (t.collectives_worst, t.bytes_worst) == (2, t.bytes + 3 * B * 16)  # + the draw's all-gather
+    # top-k beyond the candidates: a threshold search (2 histograms, the settling all-gather draws)
+    t = P.sampler_traffic(B, n, widest, V, P.Sampling(temperature=1.0, top_k=1000))
+    hist = round(2 * 3 / 4 * B * 2049 * 8)
+    assert (t.collectives, t.bytes) == (4, 3 * B * 4 * 8 + 2 * hist + 3 * B * 67 * 8)
+    # every token among the candidates (a tiny vocabulary): nothing to search, total or spread
+    tiny = P.sampler_traffic(B, n, 10, 40, P.Sampling(temperature=1.0, top_p=0.5))
+    assert tiny.collectives == tiny.collectives_worst == 1
+    assert P.sampler_traffic(B, 1, V, V, P.Sampling(temperature=1.0, top_p=0.5)) == P.Traffic()
+    assert P.sampler_traffic(B, n, widest, V, P.Sampling(top_k=10)) == P.exact(1, 3 * B * 16)  # greedy
+    with pytest.raises(ValueError, match="top_p"):
+        P.Sampling(top_p=0)
+
+
+def test_speculative_verification_per_design(capsys):
+    """Gather-then-verify designs collect the B·(K+1) target rows; replicated ones verify
+    locally; on shards it is the sampler's work on those rows (greedy: one all-gather of 16 B
+    per row), with draft logits on B·(2K+1) rows plus two small collectives."""
+    d = _designs_json(capsys, "--spec-tokens", "4")
+    B, K, n, c = 256, 4, 8, 129280 // 8
+    assert d["vllm-all-gather"]["verify_bytes"] == (n - 1) * B * (K + 1) * c * 2
+    assert d["vllm-all-gather"]["verify_collectives"] == 1
+    assert d["vllm-gather"]["verify_collectives"] == 2  # + the broadcast of accepted ids
+    assert d["sglang-all-to-all"]["verify_bytes"] == (n - 1) * (B * (K + 1) // n) * c * 2
+    assert d["deepinfer-replicated"]["verify_bytes"] == d["deepinfer-replicated"]["verify_collectives"] == 0
+    sharded = d["vocabpar-sharded"]
+    assert (sharded["verify_bytes"], sharded["verify_collectives"]) == ((n - 1) * B * (K + 1) * 16, 1)
+    assert sharded["verify_bytes"] < 0.01 * d["vllm-all-gather"]["verify_bytes"]
+    assert _designs_json(capsys)["vocabpar-sharded"]["verify_bytes"] == 0  # no drafts
+    w = replace(P.STUDY, spec_tokens=K, draft_logits=True, sampling=P.Sampling(temperature=1.0))
+    widest = P.shard_rows(P.STUDY.vocab, n)
+    assert P.verify_traffic("none", w, n, "padded") == (
+        P.sampler_traffic(B * (2 * K + 1), n, widest, P.STUDY.vocab, w.sampling)
+        + P.all_reduce(B * K * 4 * 8, n) + P.all_gather(B * 4 * 8, n))
+    assert P.verify_traffic("all_gather", w, n, "padded") == P.logits_traffic("all_gather", B * (K + 1), w, n,
+                                                                              "padded")
+
+
+def test_prompt_scoring_per_design(capsys):
+    d = _designs_json(capsys, "--score-tokens", "1000", "--score-top-n", "5")
+    n, c, T = 8, 129280 // 8, 1000
+    assert d["vllm-all-gather"]["score_bytes"] == (n - 1) * T * c * 2
+    assert d["vllm-all-gather"]["score_peak_bytes"] == T * c * 2 + T * n * c * 2  # shard + gathered [T, V]
+    blocks = (256, 256, 256, 232)  # SCORE_ROWS per token_logprobs call
+    assert d["vocabpar-sharded"]["score_bytes"] == sum((n - 1) * rows * (3 + 2 * 5) * 8
+                                                       + round(2 * 7 / 8 * rows * 8) for rows in blocks)
+    assert d["vocabpar-sharded"]["score_peak_bytes"] == 256 * c * 2  # one block of logits at a time
+    assert d["deepinfer-replicated"]["score_bytes"] == 0
+
+
+def test_skew_prices_the_owner_gather_and_flips_the_recommendation():
+    """A vocabulary only twice the hidden size: with balanced ownership the owner gather wins;
+    when one rank owns half the tokens or more it moves up to (n-1)·T rows, and a design with
+    the ring all-reduce (which ownership does not change) wins."""
+    w = P.Workload(vocab=16000, hidden=8192, ranks=8)
+    balanced, skewed = P.plan(w), P.plan(replace(w, skew=1.0))
+    assert P.plan(replace(w, skew=1 / 8)) == balanced
+    by = {c.name: c for c in skewed}
+    assert by["vocabpar-sharded"].embedding_bytes == 7 * 8192 * 8192 * 2
+    assert by["vocabpar-sharded"].step_bytes == 7 * 256 * 8192 * 2 + 7 * 256 * 16
+    assert by["vllm-all-gather"] == {c.name: c for c in balanced}["vllm-all-gather"]  # all-reduce: no change
+    assert P.recommend(balanced).design == "vocabpar-sharded"
+    assert P.recommend(P.plan(replace(w, skew=0.25))).design == "vocabpar-sharded"
+    for skew in (0.5, 1.0):
+        assert P.recommend(P.plan(replace(w, skew=skew))).design == "sglang-all-to-all"
+    assert P.busiest_owner(10, 3, 1 / 3) == 4 and P.busiest_owner(9, 3, 1 / 3) == 3
+    assert P.busiest_owner(9, 3, 0.5) == 5 and P.busiest_owner(9, 3) == 3
+    with pytest.raises(ValueError, match="skew must be in"):
+        replace(w, skew=0.1)
+
+
+def test_winner_map_over_latency_and_bandwidth():
+    """Slow collectives favour the design with none (replication), fast links and cheap
+    collectives the sharded sampler."""
+    grid = P.winners(P.STUDY, [0.0, 1e-3], [1e9, 1e13])
+    assert grid[1][0] == "deepinfer-replicated"
+    assert grid[0][1] == "vocabpar-sharded"
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "inf", "2e6", "x"])
@@ -314,3 +433,85 @@ def test_latency_rejects_bad_values(value, capsys):
     assert main(["plan", "--latency-us", value]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--latency-us" in err[0]
+
+
+# ---------------------------------------------------------------------- sampling, verification, scoring
+def _family(name: str, B: int, V: int) -> torch.Tensor:
+    """Peaked (LLM-like), flat and Zipf logit rows, as the sampler's benchmark draws them."""
+    g = torch.Generator().manual_seed(3)
+    if name == "peaked":
+        return torch.randn(B, V, generator=g) * 5
+    if name == "flat":
+        return torch.randn(B, V, generator=g) * 0.5
+    zipf = torch.stack([-1.1 * torch.log1p(torch.randperm(V, generator=g).float()) for _ in range(B)])
+    return zipf + torch.randn(B, V, generator=g) * 0.1
+
+
+# name -> (logit family, sampling, whether the family is the planner's typical case)
+SAMPLED = {
+    "greedy": ("peaked", P.Sampling(), True),
+    "demo": ("peaked", P.Sampling(temperature=0.9, top_k=200, top_p=0.95), True),
+    "top-p peaked": ("peaked", P.Sampling(temperature=1.0, top_p=0.9), True),
+    "mixed": ("peaked", P.Sampling(temperature=0.8, top_k=50, top_p=0.95, min_p=0.05), True),
+    "top-k 1000": ("peaked", P.Sampling(temperature=1.0, top_k=1000), True),
+    "temperature only": ("peaked", P.Sampling(temperature=0.7), True),
+    "top-p flat": ("flat", P.Sampling(temperature=1.0, top_p=0.9), False),
+    "top-p zipf": ("zipf", P.Sampling(temperature=1.0, top_p=0.9), False),
+    "min-p flat": ("flat", P.Sampling(temperature=1.0, min_p=0.1), False),
+    "top-k 1000 top-p flat": ("flat", P.Sampling(temperature=1.0, top_k=1000, top_p=0.9), False),
+}
+B_SAMPLED, V_SAMPLED, SCORED_ROWS, SCORED_TOP_N = 16, 12000, 12, 3
+
+
+def _measure_sampler_and_scorer():
+    """Per layout scheme and sampling config: the collectives and bytes of one sample() call
+    (agreement check off), and of one token_logprobs call."""
+    from vocabpar import SamplingParams, comm, sample, token_logprobs
+
+    n, me, out = comm.world_size(), comm.rank(), {}
+    for scheme in ("padded", "uneven"):
+        layout = VocabLayout(V_SAMPLED, n, scheme=scheme)
+        ids = layout.local_token_ids(me)
+        for name, (family, s, _) in SAMPLED.items():
+            local = _family(family, B_SAMPLED, V_SAMPLED)[:, ids.clamp(min=0)]
+            local[:, ids < 0] = float("-inf")
+            params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                                    seed=list(range(B_SAMPLED)))
+            comm.reset_traffic()
+            sample(local, layout, params, positions=torch.arange(B_SAMPLED), check=False)
+            out[scheme, name] = (sum(c.calls for c in comm.traffic().values()), comm.total_bytes()[1])
+        comm.reset_traffic()
+        token_logprobs(local[:SCORED_ROWS], layout, torch.arange(SCORED_ROWS), top_n=SCORED_TOP_N,
+                       check=False)
+        out[scheme, "score"] = (sum(c.calls for c in comm.traffic().values()), comm.total_bytes()[1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def sampler_measured():
+    from vocabpar.launch import run
+
+    return run(_measure_sampler_and_scorer, 4, timeout=120)
+
+
+def test_sampler_prediction_bounds_what_sample_sends(sampler_measured):
+    """Real sample() calls on 4 gloo ranks: collectives and bytes lie within the planner's
+    [typical, worst] range, and equal the typical case on the peaked rows it stands for."""
+    for per_rank in sampler_measured:
+        for (scheme, name), (calls, received) in per_rank.items():
+            if name == "score":
+                continue
+            _, s, typical = SAMPLED[name]
+            widest = min(P.shard_rows(V_SAMPLED, 4, scheme), V_SAMPLED)
+            t = P.sampler_traffic(B_SAMPLED, 4, widest, V_SAMPLED, s)
+            assert t.collectives <= calls <= t.collectives_worst, (scheme, name, calls, t)
+            assert t.bytes <= received <= t.bytes_worst, (scheme, name, received, t)
+            if typical:
+                assert (calls, received) == (t.collectives, t.bytes), (scheme, name, calls, received, t)
+
+
+def test_scoring_prediction_equals_what_token_logprobs_sends(sampler_measured):
+    for per_rank in sampler_measured:
+        for scheme in ("padded", "uneven"):
+            w = replace(P.STUDY, vocab=V_SAMPLED, ranks=4, score_tokens=SCORED_ROWS, score_top_n=SCORED_TOP_N)
+            assert per_rank[scheme, "score"] == (2, P.score_bytes("none", w, 4, scheme)[0])

@@ -72,14 +72,21 @@ def cmd_layout(args: argparse.Namespace) -> int:
     for scheme in schemes:
         layout = VocabLayout(vocab, args.ranks, org_vocab_size=args.org_vocab, pad_to=args.pad_to,
                              scheme=scheme)
-        print(f"\n{scheme}: vocab {layout.vocab_size} (base {layout.org_vocab_size}, added "
+        print(f"\n{scheme}: vocab {layout.vocab_size} (org {layout.org_vocab_size}, added "
               f"{layout.num_added}) over {layout.world_size} ranks; padded size "
               f"{layout.padded_vocab_size}")
         rows = [(s.rank, f"[{s.org_start}, {s.org_end})", s.num_org_padding,
                  f"[{s.added_start}, {s.added_end})", s.num_added_padding, s.rows)
                 for s in layout.shards]
-        print(format_table(("rank", "base ids", "base pad", "added ids", "added pad", "rows"), rows))
+        print(format_table(("rank", "org ids", "org pad", "added ids", "added pad", "rows"), rows))
     return 0
+
+
+def _temperature(args: argparse.Namespace) -> float:
+    """``--temperature``, by default 1 when a filter describes a sampled step, else 0 (greedy)."""
+    if args.temperature is not None:
+        return args.temperature
+    return 1.0 if args.top_k or args.top_p < 1 or args.min_p > 0 else 0.0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -92,7 +99,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         weight_dtype_bytes=plan.dtype_bytes(args.weight_dtype),
         logits_dtype_bytes=plan.dtype_bytes(args.logits_dtype),
         bandwidth=args.bandwidth * 1e9, flops=args.flops * 1e12,
-        kv_bytes_per_token=args.kv_bytes_per_token, pad_to=args.pad_to, latency=args.latency_us * 1e-6)
+        kv_bytes_per_token=args.kv_bytes_per_token, pad_to=args.pad_to, latency=args.latency_us * 1e-6,
+        sampling=plan.Sampling(_temperature(args), args.top_k, args.top_p, args.min_p),
+        spec_tokens=args.spec_tokens, draft_logits=args.draft_logits, score_tokens=args.score_tokens,
+        score_top_n=args.score_top_n, skew=args.skew)
     costs = plan.plan(w)
     rec = plan.recommend(costs, None if args.headroom is None else args.headroom * plan.GiB)
     study = plan.study_figures() if plan.is_study_shape(w) else []
@@ -105,16 +115,37 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          indent=2))
         return 0
     h = plan.human
+
+    def span(typical: float, worst: float, kind: str | None = None) -> str:
+        shown = [h(x, kind) if kind else str(x) for x in (typical, worst)]
+        return shown[0] if typical == worst else f"{shown[0]}..{shown[1]}"
+    extra = [f"{w.spec_tokens} draft tokens per row{' with draft logits' if w.draft_logits else ''}"
+             if w.spec_tokens else "", f"scoring {w.score_tokens} prompt tokens" if w.score_tokens else "",
+             f"busiest rank owns {w.skew:g} of the tokens" if w.skew is not None else ""]
     print(f"{w.vocab} vocab x {w.hidden} hidden ({'tied' if w.tied else 'untied'}), {w.ranks} ranks, "
           f"dp {w.dp}, B={w.batch} rows/step, T={w.tokens} tokens/forward, weights "
           f"{args.weight_dtype}, logits {args.logits_dtype}, {h(w.bandwidth, 'bytes')}/s, "
-          f"{h(w.flops, 'flops')}/s, {h(w.latency, 'seconds')} per collective\n")
-    rows = [(c.name, c.ranks, h(c.weight_bytes, "ibytes"), h(c.logits_buffer_bytes, "ibytes"),
-             h(c.embedding_bytes, "bytes"), h(c.step_bytes, "bytes"), h(c.head_flops, "flops"),
-             c.collectives, h(c.step_time_s, "seconds"), h(c.kv_tokens, "tokens")) for c in costs]
-    print(format_table(("design", "ranks", "weights", "logits", f"emb/fwd({w.tokens})", "step recv",
-                        "head/rank", "coll/step", "step time", "KV forgone"), rows))
+          f"{h(w.flops, 'flops')}/s, {h(w.latency, 'seconds')} per collective; sampling: "
+          f"{w.sampling.describe()}" + "".join(f"; {e}" for e in extra if e) + "\n")
+    header = ["design", "ranks", "weights", "logits", f"emb/fwd({w.tokens})", "step recv", "head/rank",
+              "coll/step", "step time", "KV forgone"]
+    rows = [[c.name, c.ranks, h(c.weight_bytes, "ibytes"), h(c.logits_buffer_bytes, "ibytes"),
+             h(c.embedding_bytes, "bytes"), span(c.step_bytes, c.step_bytes_worst, "bytes"),
+             h(c.head_flops, "flops"), span(c.collectives, c.collectives_worst),
+             span(c.step_time_s, c.step_time_worst_s, "seconds"), h(c.kv_tokens, "tokens")] for c in costs]
+    if w.spec_tokens:
+        header += ["verify recv", "verify coll"]
+        for row, c in zip(rows, costs):
+            row += [h(c.verify_bytes, "bytes"), c.verify_collectives]
+    if w.score_tokens:
+        header += ["score recv", "score peak"]
+        for row, c in zip(rows, costs):
+            row += [h(c.score_bytes, "bytes"), h(c.score_peak_bytes, "ibytes")]
+    print(format_table(header, rows))
     print("\n" + "\n".join(f"  {c.name}: {c.summary}" for c in costs))
+    if any(c.collectives != c.collectives_worst or c.step_bytes != c.step_bytes_worst for c in costs):
+        print("\n  a..b: typical (LLM-like peaked rows) .. worst case of sampling on shards; the "
+              "recommendation uses the typical case")
     print(f"\nrecommendation: {rec.reason}")
     if study:
         print("\nthe study's numbers (DeepSeek-V4.1-Flash, TP=8, B=256, T=8192, 300 GB/s, 600 TFLOP/s):")
@@ -126,13 +157,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bytes(x: float | None) -> str:
-    return "-" if x is None else f"{x:,.0f}" if x == int(x) else f"{x:,.1f}"
+def _bytes(x: float) -> str:
+    return f"{x:,.0f}" if x == int(x) else f"{x:,.1f}"
+
+
+def _range(typical: float, worst: float, show=_bytes) -> str:
+    return show(typical) if typical == worst else f"{show(typical)}..{show(worst)}"
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Exit status 1 when any design's tokens differ from the reference; byte differences from
-    the planner are reported, not fatal."""
+    """Exit status 1 when any design's tokens differ from the reference; traffic outside the
+    planner's prediction is reported, not fatal."""
     from vocabpar import comm
 
     result = demo.run_demo(args.model, args.ranks, args.batch, args.tokens, progress=not args.quiet)
@@ -146,22 +181,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
           f"({'tied' if result.tied else 'untied'}), {result.ranks} ranks, batch {result.batch}, "
           f"{result.tokens} new tokens; single-process reference "
           f"{result.reference_ms_per_step:.1f} ms/step\n")
-    rows = [(r.design, r.mode, f"{r.equal}/{r.rows}", _bytes(r.measured), _bytes(r.predicted),
-             "-" if r.bytes_agree is None else "yes" if r.bytes_agree
-             else f"{r.measured - r.predicted:+,.0f}",
-             _bytes(r.id_bytes), f"{r.ms_per_step:.1f}", f"{r.peak_rss_mib:.0f}", f"{r.weights_mib:.2f}")
-            for r in result.rows]
-    print(format_table(("design", "mode", "tokens equal", "recv B/step", "planner B/step", "= planner",
-                        "ids B/step", "ms/step", "peak RSS MiB", "vocab MiB/rank"), rows))
-    print("\ntokens equal: rows matching transformers' generate (greedy) or reference_sample with the same "
-          "seeds\n(sampled). recv: bytes the busiest rank received per decode step (vocabpar.comm counters),"
-          "\nthe exchange of sampled ids shown apart (the planner leaves it out). planner: its formulas for "
-          "the\nsame shapes and ownership counts ('-': sharded sampling beyond greedy has no formula).")
-    checked = [r for r in result.rows if r.predicted is not None]
-    equal = sum(r.bytes_agree for r in checked)
-    print(f"\ntokens: {'every design agrees' if result.tokens_agree else 'SOME DESIGNS DIFFER'}; bytes: "
-          f"{equal} of {len(checked)} rows with a planner formula equal it "
-          f"({len(result.rows) - len(checked)} without a formula)")
+    rows = [(r.design, r.mode, f"{r.equal}/{r.rows}", _bytes(r.measured),
+             _range(r.predicted, r.predicted_worst), f"{r.collectives:g}",
+             _range(r.collectives_predicted, r.collectives_worst, "{:g}".format),
+             "yes" if r.planner_agrees else "NO", _bytes(r.id_bytes), f"{r.ms_per_step:.1f}",
+             f"{r.peak_rss_mib:.0f}", f"{r.weights_mib:.2f}") for r in result.rows]
+    print(format_table(("design", "mode", "tokens equal", "recv B/step", "planner B/step", "coll/step",
+                        "planner coll", "= planner", "ids B/step", "ms/step", "peak RSS MiB",
+                        "vocab MiB/rank"), rows))
+    print("\ntokens equal: rows matching reference_sample with the same seeds (greedy: also transformers' "
+          "generate).\nrecv, coll: bytes the busiest rank received and collectives it took part in per "
+          "decode step\n(vocabpar.comm counters; the exchange of sampled ids counts as a collective, its "
+          "bytes are shown apart).\nplanner: its prediction for the same shapes and ownership counts, "
+          "typical..worst where sampling on\nshards depends on the data; = planner: every step within it "
+          "(exactly equal where deterministic).")
+    agree = sum(r.planner_agrees for r in result.rows)
+    print(f"\ntokens: {'every design agrees' if result.tokens_agree else 'SOME DESIGNS DIFFER'}; planner: "
+          f"{agree} of {len(result.rows)} rows within its prediction (bytes and collectives)")
     return status
 
 
@@ -238,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("layout", help="show how a vocabulary is split over ranks")
     p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
     _number(p, "--vocab", int, L["vocab"], "vocabulary size (overrides --preset)")
-    _number(p, "--org-vocab", int, L["vocab"], "base vocabulary size (rest is added vocab)")
+    _number(p, "--org-vocab", int, L["vocab"], "org (original, non-added) vocabulary size; the rest is "
+            "added vocab")
     _number(p, "--ranks", int, L["ranks"], "ranks sharing the vocabulary", default=8)
     _number(p, "--pad-to", int, L["pad_to"], "padding multiple (padded scheme)", default=64)
     p.add_argument("--scheme", choices=SCHEMES, help="one scheme (default: all)")
@@ -267,9 +304,25 @@ def build_parser() -> argparse.ArgumentParser:
     _number(p, "--pad-to", int, L["pad_to"], "vocab padding multiple (padded scheme)", default=64)
     _number(p, "--headroom", float, L["headroom"], "GiB per rank available for extra memory",
             scale=plan.GiB)
+    _number(p, "--temperature", float, L["temperature"], "sampling temperature of a decode step (0 = greedy; "
+            "default 1 with --top-k/--top-p/--min-p, else 0)")
+    _number(p, "--top-k", int, L["top_k"], "top-k of a sampled step (0 = off)", default=0)
+    _number(p, "--top-p", float, L["top_p"], "top-p of a sampled step (1 = off)", default=1.0)
+    _number(p, "--min-p", float, L["min_p"], "min-p of a sampled step (0 = off)", default=0.0)
+    _number(p, "--spec-tokens", int, L["spec_tokens"], "draft tokens verified per row and step "
+            "(speculative decoding; 0 = off)", default=0)
+    p.add_argument("--draft-logits", action="store_true",
+                   help="the drafts come with the draft model's logits (sampled verification)")
+    _number(p, "--score-tokens", int, L["score_tokens"], "prompt tokens scored (prompt logprobs; 0 = off)",
+            default=0)
+    _number(p, "--score-top-n", int, L["score_top_n"], "top alternatives returned per scored token",
+            default=0)
+    _number(p, "--skew", float, L["skew"], "share of a forward's tokens owned by the busiest rank, at least "
+            "1/ranks (default: balanced)")
     p.add_argument("--json", action="store_true", help="print plain data in base units")
     p.add_argument("--plot", metavar="FILE.png", type=_png,
-                   help="write bytes-vs-batch and memory-vs-ranks plots (.png appended if missing)")
+                   help="write bytes-vs-batch and memory-vs-ranks plots and the map of which design wins "
+                        "over latency and bandwidth (.png appended if missing)")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("demo", help="generate with a Hugging Face model through every design on local ranks")
     p.add_argument("--model", default="gpt2", choices=demo.MODELS,

@@ -3,11 +3,13 @@
 For each design of :data:`vocabpar.plan.DESIGNS` that runs on several ranks, every rank builds
 the same seeded model from a config (no downloads), :func:`~vocabpar.integrations.hf.parallelize`
 swaps in the design's layout, embedding exchange and logits collection, and the ranks generate
-greedy and sampled continuations of one batch of prompts. Each row of the result compares the
-tokens with the single-process oracle (greedy: ``transformers``' ``generate``; sampled:
-:func:`~vocabpar.integrations.hf.reference_generate`, i.e. ``reference_sample`` with the same
-seeds), and the bytes a rank received per decode step (from ``vocabpar.comm``'s counters) with
-the planner's formulas for the same shapes.
+greedy and sampled continuations of one batch of prompts (:data:`MODES`). Each row of the result
+compares the tokens with the single-process oracle
+(:func:`~vocabpar.integrations.hf.reference_generate`, i.e. ``reference_sample`` with the same
+seeds; greedy is also checked against ``transformers``' ``generate``), and the bytes a rank
+received and the collectives it took part in per decode step (from ``vocabpar.comm``'s
+counters) with the planner's prediction for the same shapes: exactly where the traffic does not
+depend on the data, within its [typical, worst] range where it does (sampling on shards).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import math
 import os
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -24,6 +27,7 @@ import torch
 from vocabpar import comm, launch, plan, rss
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling import SamplingParams
+from vocabpar.strategies import STRATEGIES
 
 MODELS = ("gpt2", "llama", "qwen2")
 FP32_BYTES = 4  # the demo models, their activations and the logits are FP32
@@ -57,6 +61,21 @@ def build_model(name: str = "gpt2", seed: int = SEED):
     return model.eval()
 
 
+def build_draft(name: str = "gpt2", seed: int = SEED, noise: float = 0.05):
+    """A draft model for :func:`build_model`'s: the same vocabulary, embedding and head, with
+    every other weight matrix perturbed by Gaussian noise of ``noise`` times its own spread. A
+    stand-in for a distilled draft (a randomly initialised model has no smaller model that agrees
+    with it); greedy drafts agree with the target on roughly 55-70 % of tokens."""
+    model = build_model(name, seed)
+    keep = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2 and id(p) not in keep:
+                p.add_(torch.randn(p.shape, generator=g) * noise * p.std())
+    return model
+
+
 def make_prompts(batch: int, vocab: int, seed: int = SEED) -> list[list[int]]:
     """``batch`` prompts of 2..MAX_PROMPT random token ids (different lengths: exercises left padding)."""
     rng = random.Random(seed)
@@ -66,6 +85,27 @@ def make_prompts(batch: int, vocab: int, seed: int = SEED) -> list[list[int]]:
 def sampling_params(batch: int) -> SamplingParams:
     """Sampled mode: temperature, top-k and top-p together, one seed per row."""
     return SamplingParams(temperature=0.9, top_k=200, top_p=0.95, seed=[1000 + b for b in range(batch)])
+
+
+def decode_step(design: plan.Design, w: plan.Workload, owned: int) -> plan.Traffic:
+    """The planner's traffic for one decode step of ``design`` (:func:`vocabpar.plan.step_traffic`)
+    whose ids' largest owner holds ``owned`` of them; the DP row counts carry the agreement
+    record when the checks are on."""
+    return plan.step_traffic(design, w, owned=owned, checked=comm.checks_enabled())
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A way of decoding that the demo runs through every design: ``params(batch)``, the sampling
+    parameters ``generate`` gets (``None``: greedy), and ``price(design, workload, owned)``, the
+    planner's traffic for one decode step (``owned``: the largest owner's count of its ids)."""
+
+    name: str
+    params: Callable[[int], SamplingParams | None]
+    price: Callable[[plan.Design, plan.Workload, int], plan.Traffic] = decode_step
+
+
+MODES: tuple[Mode, ...] = (Mode("greedy", lambda batch: None), Mode("sampled", sampling_params))
 
 
 def hf_generate(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -81,9 +121,12 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int) -> list[li
 
 @dataclass
 class Row:
-    """One design in one mode. Bytes are received by the busiest rank per decode step (prefill
-    excluded); ``predicted`` is ``None`` where the planner has no formula (sharded sampling
-    beyond greedy). ``id_bytes``: the exchange of sampled ids, which the planner leaves out."""
+    """One design in one mode, per decode step (prefill excluded), on the busiest rank: the bytes
+    received (``measured``; the exchange of sampled ids apart, ``id_bytes``, as the planner
+    leaves its bytes out) and the collectives taken part in, ids exchange included, as means
+    over the steps, next to the planner's typical and worst predictions. ``planner_agrees``:
+    every step's bytes and collectives lie within the planner's [typical, worst] range (equal
+    to it where the traffic does not depend on the data)."""
 
     design: str
     engine: str
@@ -91,7 +134,12 @@ class Row:
     equal: int
     rows: int
     measured: float
-    predicted: float | None
+    predicted: float
+    predicted_worst: float
+    collectives: float
+    collectives_predicted: float
+    collectives_worst: float
+    planner_agrees: bool
     id_bytes: float
     ms_per_step: float
     peak_rss_mib: float
@@ -100,10 +148,6 @@ class Row:
     @property
     def tokens_agree(self) -> bool:
         return self.equal == self.rows
-
-    @property
-    def bytes_agree(self) -> bool | None:
-        return None if self.predicted is None else self.measured == self.predicted
 
 
 @dataclass
@@ -123,12 +167,12 @@ class DemoResult:
         return all(r.tokens_agree for r in self.rows)
 
     @property
-    def bytes_agree(self) -> bool:
-        return all(r.bytes_agree is not False for r in self.rows)
+    def planner_agrees(self) -> bool:
+        return all(r.planner_agrees for r in self.rows)
 
     def to_json(self) -> dict:
-        rows = [asdict(r) | {"tokens_agree": r.tokens_agree, "bytes_agree": r.bytes_agree} for r in self.rows]
-        return asdict(self) | {"tokens_agree": self.tokens_agree, "bytes_agree": self.bytes_agree,
+        rows = [asdict(r) | {"tokens_agree": r.tokens_agree} for r in self.rows]
+        return asdict(self) | {"tokens_agree": self.tokens_agree, "planner_agrees": self.planner_agrees,
                                "rows": rows}
 
 
@@ -143,95 +187,126 @@ def run_demo(model: str = "gpt2", ranks: int = 4, batch: int = 4, tokens: int = 
     each process reports what its own rank measured. Arguments outside ``LIMITS`` raise
     ``ValueError`` before any work."""
     _check_limits(ranks=ranks, batch=batch, tokens=tokens)
-    from vocabpar.integrations.hf import reference_generate
-
     if launch.under_torchrun():
         ranks = int(os.environ["WORLD_SIZE"])
     _say(progress, f"building {model} and the single-process reference ...")
+    ref = reference(model, batch, tokens)
+    per_rank = launch.run(rank_main, ranks, model, ref.prompts, tokens, progress, timeout=120,
+                          run_timeout=600)
+    return compare(ref, per_rank, ranks)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The single-process side of a run: the model's shape, the prompts, each mode's tokens from
+    the oracle, and the oracle loop's milliseconds per decode step."""
+
+    model: str
+    vocab: int
+    hidden: int
+    tied: bool
+    prompts: list[list[int]]
+    tokens: dict[str, list[list[int]]]
+    ms_per_step: float
+
+
+def reference(model: str, batch: int, tokens: int) -> Reference:
+    """``batch`` seeded prompts for ``model`` and their ``tokens`` new tokens in every mode from
+    the single-process oracle (greedy also checked against ``transformers``' ``generate``)."""
+    from vocabpar.integrations.hf import reference_generate
+
     reference_model = build_model(model)
     vocab, hidden = reference_model.get_input_embeddings().weight.shape
     tied = reference_model.get_input_embeddings().weight is reference_model.get_output_embeddings().weight
     prompts = make_prompts(batch, vocab)
-    greedy_ref = hf_generate(reference_model, prompts, tokens)
     timed = reference_generate(reference_model, prompts, None, tokens)
-    if timed.tokens != greedy_ref:
+    if timed.tokens != hf_generate(reference_model, prompts, tokens):
         raise RuntimeError("the reference loop disagrees with transformers' generate")
-    sampled_ref = reference_generate(reference_model, prompts, sampling_params(batch), tokens).tokens
-    del reference_model
-    per_rank = launch.run(_rank_main, ranks, model, prompts, tokens, progress, timeout=120, run_timeout=600)
+    outputs = {mode.name: reference_generate(reference_model, prompts, mode.params(batch), tokens).tokens
+               for mode in MODES}
+    return Reference(model, vocab, hidden, tied, prompts, outputs, 1e3 * _mean(timed.step_seconds[1:]))
+
+
+def compare(ref: Reference, per_rank: list[list[dict]], ranks: int) -> DemoResult:
+    """The demo's table from what the ``ranks`` ranks of a group measured (:func:`rank_main`;
+    under torchrun only this rank's results), against the oracle and the planner."""
     rows = []
     for i, design in enumerate(designs()):
-        layout = VocabLayout(vocab, ranks, scheme=design.scheme)
-        for mode, reference in (("greedy", greedy_ref), ("sampled", sampled_ref)):
-            runs = [r[i][mode] for r in per_rank]
-            rows.append(_row(design, mode, runs, reference, layout, hidden))
-    return DemoResult(model, vocab, hidden, tied, ranks, batch, tokens,
-                      1e3 * _mean(timed.step_seconds[1:]), rows)
+        layout = VocabLayout(ref.vocab, ranks, scheme=design.scheme)
+        for mode in MODES:
+            runs = [r[i][mode.name] for r in per_rank]
+            rows.append(_row(design, mode, runs, ref.tokens[mode.name], layout, ref.hidden))
+    new_tokens = len(next(iter(ref.tokens.values()))[0])
+    return DemoResult(ref.model, ref.vocab, ref.hidden, ref.tied, ranks, len(ref.prompts), new_tokens,
+                      ref.ms_per_step, rows)
 
 
-def _rank_main(model_name: str, prompts: list[list[int]], tokens: int, progress: bool) -> list[dict]:
+def rank_main(model_name: str, prompts: list[list[int]], tokens: int, progress: bool,
+              group: comm.ProcessGroup = None) -> list[dict]:
+    """On each rank of ``group``: every design generates in every mode; per design, per mode what
+    this rank measured (tokens, the ids fed per step, seconds, bytes received and collectives
+    per step by kind, weight bytes, peak RSS)."""
     from vocabpar.integrations.hf import parallelize
 
     out, todo = [], designs()
     for i, design in enumerate(todo):
         model = build_model(model_name)
-        lm = parallelize(model, scheme=design.scheme, collect=design.collection, scatter="all_gather",
-                         exchange="auto" if design.embedding == "local" else design.embedding)
+        exchange = "auto" if design.embedding == "local" else design.embedding
+        lm = parallelize(model, group=group, scheme=design.scheme, strategy=design.strategy,
+                         scatter="all_gather", exchange=exchange)
         weights = lm.embedding.storage.nbytes + (0 if lm.head.storage is lm.embedding.storage
                                                  else lm.head.storage.nbytes)
         result = {}
-        for mode, params in (("greedy", None), ("sampled", sampling_params(len(prompts)))):
+        for mode in MODES:
             gc.collect()
             peak = rss.reset_peak()
-            g = lm.generate(prompts, params, tokens)
-            result[mode] = {"rank": comm.rank(), "tokens": g.tokens, "inputs": g.inputs,
-                            "seconds": g.step_seconds, "received": g.step_received, "weights": weights,
-                            "peak_rss": rss.peak_bytes(peak)}
-            _say(progress and comm.rank() == 0,
-                 f"[{2 * i + len(result)}/{2 * len(todo)}] {design.name} {mode}: "
+            g = lm.generate(prompts, mode.params(len(prompts)), tokens)
+            result[mode.name] = {"tokens": g.tokens, "inputs": g.inputs, "seconds": g.step_seconds,
+                                 "received": g.step_received, "collectives": g.step_collectives,
+                                 "weights": weights, "peak_rss": rss.peak_bytes(peak)}
+            _say(progress and comm.rank(group) == 0,
+                 f"[{len(MODES) * i + len(result)}/{len(MODES) * len(todo)}] {design.name} {mode.name}: "
                  f"{1e3 * _mean(g.step_seconds[1:]):.1f} ms/step")
         out.append(result)
         del lm, model
     return out
 
 
-def _row(design: plan.Design, mode: str, runs: list[dict], reference: list[list[int]],
+def _row(design: plan.Design, mode: Mode, runs: list[dict], reference: list[list[int]],
          layout: VocabLayout, hidden: int) -> Row:
     batch = len(reference)
     if any(r["tokens"] != runs[0]["tokens"] for r in runs):
-        raise RuntimeError(f"{design.name} {mode}: ranks returned different tokens")
+        raise RuntimeError(f"{design.name} {mode.name}: ranks returned different tokens")
     equal = sum(a == b for a, b in zip(runs[0]["tokens"], reference))
-    measured, predicted, ids = [], [], []
-    for r in runs:
-        steps = r["received"][1:]  # decode steps; step 0 is the prefill
-        measured.append(_mean([sum(v for k, v in s.items() if k != "sampled_ids") for s in steps]))
-        ids.append(_mean([s.get("sampled_ids", 0) for s in steps]))
-        predicted.append(_predicted(design, mode, layout, hidden, batch, r["inputs"][1:]))
-    return Row(design.name, design.engine, mode, equal, batch, max(measured),
-               None if None in predicted else max(predicted), max(ids),
-               1e3 * max(_mean(r["seconds"][1:]) for r in runs),
+    decode = range(1, len(runs[0]["received"]))  # step 0 is the prefill
+
+    def busiest(count: Callable[[dict, int], float]) -> list[float]:
+        return [max(count(r, s) for r in runs) for s in decode]
+
+    measured = busiest(lambda r, s: sum(v for k, v in r["received"][s].items() if k != "sampled_ids"))
+    ids = busiest(lambda r, s: r["received"][s].get("sampled_ids", 0))
+    calls = busiest(lambda r, s: sum(r["collectives"][s].values()))
+    w = _workload(design, layout, hidden, batch, mode.params(batch))
+    predicted = [mode.price(design, w, _largest_owner_count(layout, runs[0]["inputs"][s])) for s in decode]
+    agrees = all(p.bytes <= m <= p.bytes_worst and p.collectives <= c <= p.collectives_worst
+                 for m, c, p in zip(measured, calls, predicted))
+    return Row(design.name, design.engine, mode.name, equal, batch, _mean(measured),
+               _mean([p.bytes for p in predicted]), _mean([p.bytes_worst for p in predicted]), _mean(calls),
+               _mean([p.collectives for p in predicted]), _mean([p.collectives_worst for p in predicted]),
+               agrees, _mean(ids), 1e3 * max(_mean(r["seconds"][1:]) for r in runs),
                max(r["peak_rss"] for r in runs) / 2**20, runs[0]["weights"] / 2**20)
 
 
-def _predicted(design: plan.Design, mode: str, layout: VocabLayout, hidden: int, batch: int,
-               inputs: list[torch.Tensor]) -> float | None:
-    """Mean bytes per decode step a rank receives, by the planner's formulas, for the ids fed to
-    the embedding at each decode step (owner gather: blocks padded to the largest owner's count)."""
-    n, b = layout.world_size, FP32_BYTES
-    if design.collection == "none":
-        if mode != "greedy":
-            return None
-        collection = plan.greedy_sampling_bytes(batch, n)
-    else:
-        collection = plan.logits_collection_bytes(design.collection, batch, layout.vocab_size, n, b,
-                                                  scheme=design.scheme, pad_to=layout.pad_to)
-    dp = n if design.collection == "dp_gather_scatter" else 1
-    hidden_rows = 0 if design.scheme == "replicated" else plan.hidden_gather_bytes(
-        batch, dp, hidden, b, checked=comm.checks_enabled())
-    per_step = [plan.embedding_exchange_bytes(design.embedding, batch, hidden, n, b,
-                                              owned=_largest_owner_count(layout, x))
-                + hidden_rows + collection for x in inputs]
-    return _mean(per_step)
+def _workload(design: plan.Design, layout: VocabLayout, hidden: int, batch: int,
+              params: SamplingParams | None) -> plan.Workload:
+    """The demo's shapes as a planner workload: FP32 activations and logits; a strategy whose
+    ranks bring their own rows runs with one DP attention group per rank."""
+    n = layout.world_size
+    sampling = plan.Sampling() if params is None else plan.Sampling(
+        float(params.temperature), max(int(params.top_k), 0), float(params.top_p), float(params.min_p))
+    dp = n if STRATEGIES[design.strategy].inputs == "own" else 1
+    return plan.Workload(layout.vocab_size, hidden, ranks=n, dp=dp, batch=batch, pad_to=layout.pad_to,
+                         weight_dtype_bytes=FP32_BYTES, logits_dtype_bytes=FP32_BYTES, sampling=sampling)
 
 
 @dataclass
@@ -291,7 +366,7 @@ def run_score(model: str = "gpt2", ranks: int = 4, ids: list[int] | None = None,
 def _score_rank(model_name: str, ids: list[int], top_n: int):
     from vocabpar.integrations.hf import parallelize
 
-    return parallelize(build_model(model_name), collect="none").score(torch.tensor([ids]), top_n=top_n)
+    return parallelize(build_model(model_name), strategy="none").score(torch.tensor([ids]), top_n=top_n)
 
 
 def _check_limits(**values: object) -> None:
@@ -328,9 +403,11 @@ def plot(result: DemoResult, path: str) -> str:
     for i, r in enumerate(result.rows):
         if r.measured == 0:  # log axis: a zero-byte design gets a label instead of a bar
             left.text(1.2, i, "0 B: no collective", va="center", fontsize=8)
-    predicted = [(i, r.predicted) for i, r in enumerate(result.rows) if r.predicted]
-    left.scatter([p for _, p in predicted], [i for i, _ in predicted], color="black", marker="|", s=200,
-                 label="planner", zorder=3)
+    predicted = [(i, r) for i, r in enumerate(result.rows) if r.predicted_worst]
+    left.scatter([r.predicted for _, r in predicted], [i for i, _ in predicted], color="black", marker="|",
+                 s=200, label="planner (typical..worst)", zorder=3)
+    left.hlines([i for i, _ in predicted], [r.predicted for _, r in predicted],
+                [r.predicted_worst for _, r in predicted], color="black", zorder=3)
     left.set(xscale="log", xlabel="bytes received per rank per decode step", yticks=where, yticklabels=labels)
     left.legend(fontsize=8)
     right.barh(where, [r.ms_per_step for r in result.rows], color="tab:orange")

@@ -12,6 +12,7 @@ import torch
 
 from vocabpar import comm
 from vocabpar.layout import VocabLayout
+from vocabpar.strategies import exchange_bytes
 from vocabpar.weights import VocabShardedMatrix, dequantize_rows
 
 EXCHANGES = ("auto", "all_reduce", "owner_gather")
@@ -19,11 +20,11 @@ OOB_MODES = ("error", "zero")
 
 
 def exchange_costs(counts: list[int], total: int) -> dict[str, float]:
-    """Rows each rank sends and receives for each exchange, given how many of ``total`` looked-up
-    rows each rank owns: a ring all-reduce moves 2(n-1)/n*T; the owner gather is a ring
-    all-gather of the owners' blocks padded to the largest, (n-1)*max(c)."""
+    """Rows a rank receives under each exchange, given how many of ``total`` looked-up rows each
+    rank owns (:func:`vocabpar.strategies.exchange_bytes`, the planner's formula, for one-byte
+    rows): the ring all-reduce ``2(n-1)/n·T``, the owner gather ``(n-1)·max(counts)``."""
     n = len(counts)
-    return {"all_reduce": 2 * (n - 1) / n * total, "owner_gather": (n - 1) * max(counts)}
+    return {mode: exchange_bytes(mode, total, 1, n, max(counts)) for mode in ("all_reduce", "owner_gather")}
 
 
 class VocabParallelEmbedding(VocabShardedMatrix):

@@ -4,38 +4,56 @@ Every quantity is one small function of explicit shapes returning base units (by
 seconds). Traffic is the bytes *received by the busiest rank*, under the byte model that
 ``vocabpar.comm`` books (ring all-reduce ``2(n-1)/n*M``, ring all-gather ``(n-1)*chunk`` with
 chunks padded to the largest, gather ``(n-1)*chunk`` on the destination, all-to-all exact
-splits), so predictions can be compared with measured counters.
+splits), so predictions can be compared with measured counters. The strategies' facts (what
+they send, which rows each rank ends with) come from :mod:`vocabpar.strategies`; the sampler's
+message sizes from :mod:`vocabpar.wire`.
 
 Topology: ``ranks`` ranks share the vocabulary (the head's TP group). Attention is either
 tensor-parallel (``dp=1``: every rank holds all ``batch`` hidden rows) or data-parallel over
 ``dp`` groups (each holds ``ceil(batch/dp)`` rows, so a sharded head first gathers the other
-groups' hidden rows). Activations travel in the weight dtype. Times divide bytes by bandwidth
-and FLOPs by throughput, without latency or overlap.
+groups' hidden rows). Activations travel in the weight dtype. Time follows the alpha-beta model:
+every collective costs ``latency`` before its bytes move at ``bandwidth``, plus the head's FLOPs
+at ``flops``, without overlap. The per-call agreement checks, which production turns off, and
+the bytes of sampled ids sent back are left out; the collectives that send those ids are counted.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from vocabpar.layout import VocabLayout
-from vocabpar.wire import agreement_words
+from vocabpar.strategies import exchange_bytes, strategy
+from vocabpar.wire import (
+    DRAW_WORDS,
+    MAX_CANDIDATES,
+    SCORE_ROWS,
+    agreement_words,
+    candidate_count,
+    histogram_words,
+    round_one_words,
+    score_words,
+    settle_words,
+)
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
-COLLECTIONS = ("all_gather", "gather", "dp_gather_scatter", "all_to_all", "none", "replicated")
-EMBEDDING_EXCHANGES = ("all_reduce", "owner_gather", "local")
+WORD = 8  # the sampler's and the scorer's messages are int64 words
 GREEDY_PAIR_BYTES = 8 + 8  # float64 value (the sampler ranks in float64) + int64 global id per row
-# Accepted [low, high] of each Workload field and of the headroom, in base units: wide enough for
-# any real model and cluster, narrow enough that every planned quantity is a finite number.
+# Accepted [low, high] of each Workload and Sampling field and of the headroom, in base units:
+# wide enough for any real model, cluster and decode step, narrow enough that every planned
+# quantity is a finite number. The skew must also be at least 1/ranks.
 LIMITS: dict[str, tuple[float, float]] = {
     "vocab": (1, 2**31), "hidden": (1, 2**20), "ranks": (1, 2**16), "dp": (1, 2**16),
     "batch": (0, 2**24), "tokens": (0, 2**31), "weight_dtype_bytes": (1, 8), "logits_dtype_bytes": (1, 8),
     "pad_to": (1, 2**20), "bandwidth": (1e3, 1e18), "flops": (1e6, 1e21), "kv_bytes_per_token": (1e-3, 1e12),
-    "latency": (0.0, 1.0), "headroom": (0, 1e6 * GiB),
+    "latency": (0.0, 1.0), "spec_tokens": (0, 2**10), "score_tokens": (0, 2**31), "score_top_n": (0, 2**10),
+    "skew": (0.0, 1.0), "headroom": (0, 1e6 * GiB),
+    "temperature": (0.0, 1e6), "top_k": (0, 2**31), "top_p": (1e-9, 1.0), "min_p": (0.0, 1.0),
 }
+SAMPLING_LIMITS = ("temperature", "top_k", "top_p", "min_p")
 LATENCY = 15e-6
 """Default seconds per collective (the alpha of the alpha-beta model) for NVLink-class NCCL: a
 small all-reduce takes 3.5-6 us of kernel time in nccl-tests on 2-8 H100/H800 GPUs (NVIDIA/nccl
@@ -57,6 +75,48 @@ def dtype_bytes(name: str) -> int:
         return DTYPE_BYTES[name.lower()]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; known: {', '.join(DTYPE_BYTES)}") from None
+
+
+# ---------------------------------------------------------------------- traffic
+@dataclass(frozen=True)
+class Traffic:
+    """What one rank takes part in: ``collectives`` calls in which it receives ``bytes`` in the
+    typical case, and at most ``collectives_worst`` calls and ``bytes_worst`` bytes (equal to
+    the typical ones where the traffic does not depend on the data). Traffic adds up."""
+
+    collectives: int = 0
+    bytes: int = 0
+    collectives_worst: int = 0
+    bytes_worst: int = 0
+
+    def __add__(self, other: Traffic) -> Traffic:
+        return Traffic(self.collectives + other.collectives, self.bytes + other.bytes,
+                       self.collectives_worst + other.collectives_worst, self.bytes_worst + other.bytes_worst)
+
+
+def exact(collectives: int, nbytes: int) -> Traffic:
+    """Traffic that does not depend on the data."""
+    return Traffic(collectives, nbytes, collectives, nbytes)
+
+
+def maybe(t: Traffic) -> Traffic:
+    """``t`` in the worst case only: the typical case does without it."""
+    return Traffic(0, 0, t.collectives_worst, t.bytes_worst)
+
+
+def all_reduce_bytes(nbytes: int, ranks: int) -> int:
+    """Ring all-reduce of an ``nbytes`` tensor: ``2(n-1)/n·nbytes`` per rank."""
+    return round(2 * (ranks - 1) / ranks * nbytes)
+
+
+def all_reduce(nbytes: int, ranks: int) -> Traffic:
+    """One ring all-reduce of ``nbytes`` (none on one rank)."""
+    return exact(int(ranks > 1), all_reduce_bytes(nbytes, ranks))
+
+
+def all_gather(chunk_bytes: int, ranks: int) -> Traffic:
+    """One ring all-gather of ``chunk_bytes`` per rank: ``(n-1)·chunk`` received (none on one rank)."""
+    return exact(int(ranks > 1), (ranks - 1) * chunk_bytes)
 
 
 # ---------------------------------------------------------------------- quantities
@@ -82,29 +142,20 @@ def head_flops(rows: int, cols: int, hidden: int) -> int:
     return 2 * rows * cols * hidden
 
 
-def all_reduce_bytes(nbytes: int, ranks: int) -> int:
-    """Ring all-reduce of an ``nbytes`` tensor: ``2(n-1)/n·nbytes`` per rank."""
-    return round(2 * (ranks - 1) / ranks * nbytes)
+def busiest_owner(tokens: int, ranks: int, skew: float | None = None) -> int:
+    """Tokens owned by the rank owning most of ``tokens``: an even share ``ceil(T/n)``, or
+    ``ceil(skew·T)`` when the busiest rank owns the share ``skew`` (never below the even share)."""
+    even = -(-tokens // ranks)
+    return even if skew is None else min(tokens, max(even, math.ceil(round(skew * tokens, 6))))
 
 
 def embedding_exchange_bytes(mode: str, tokens: int, hidden: int, ranks: int, dtype_bytes: int,
                              *, owned: int | None = None) -> int:
-    """Bytes a rank receives to assemble ``[tokens, hidden]`` embeddings, once per forward.
-
-    ``all_reduce``: masked rows summed, ``2(n-1)/n·T·H·b``. ``owner_gather``: each owner puts
-    only its rows into one ring all-gather whose blocks are padded to the largest owner's
-    count ``owned`` (default: an even share, ``ceil(T/n)``), ``(n-1)·owned·H·b``.
-    ``local``: a replicated table, nothing."""
-    if mode == "all_reduce":
-        return all_reduce_bytes(tokens * hidden * dtype_bytes, ranks)
-    if mode == "owner_gather":
-        owned = -(-tokens // ranks) if owned is None else owned
-        if not 0 <= owned <= tokens:
-            raise ValueError(f"owned must be in [0, tokens={tokens}], got {owned}")
-        return (ranks - 1) * owned * hidden * dtype_bytes
-    if mode == "local":
-        return 0
-    raise ValueError(f"unknown embedding exchange {mode!r}; expected one of {EMBEDDING_EXCHANGES}")
+    """Bytes a rank receives to assemble ``[tokens, hidden]`` embeddings, once per forward
+    (:func:`vocabpar.strategies.exchange_bytes`): ``all_reduce`` ``2(n-1)/n·T·H·b``;
+    ``owner_gather`` ``(n-1)·owned·H·b`` with ``owned`` the largest owner's count (default
+    ``ceil(T/n)``); ``local`` nothing."""
+    return round(exchange_bytes(mode, tokens, hidden * dtype_bytes, ranks, owned))
 
 
 def hidden_gather_bytes(batch: int, dp: int, hidden: int, dtype_bytes: int, checked: bool = False) -> int:
@@ -115,43 +166,28 @@ def hidden_gather_bytes(batch: int, dp: int, hidden: int, dtype_bytes: int, chec
     return (dp - 1) * (8 * agreement_words(checked, 1) + -(-batch // dp) * hidden * dtype_bytes)
 
 
-def logits_collection_bytes(strategy: str, batch: int, vocab: int, ranks: int, dtype_bytes: int,
+def logits_collection_bytes(name: str, batch: int, vocab: int, ranks: int, dtype_bytes: int,
                             *, scheme: str = "padded", pad_to: int = 64) -> int:
-    """Bytes the busiest rank receives to collect ``[batch, shard]`` logits shards, per step.
-
-    ``all_gather``, ``gather`` (the destination) and ``dp_gather_scatter`` (all-gather, then
-    keep one's rows): ``(n-1)·B·c·b`` with ``c`` the largest shard. ``all_to_all``: each rank
-    receives the other shards of its ``ceil(B/n)``-row block, ``(n-1)·ceil(B/n)·c·b``.
-    ``none`` (sharded sampling) and ``replicated``: nothing. Sampled ids sent back are not
-    counted."""
-    c = shard_rows(vocab, ranks, scheme, pad_to)
-    if strategy in ("all_gather", "gather", "dp_gather_scatter"):
-        return (ranks - 1) * logits_bytes(batch, c, dtype_bytes)
-    if strategy == "all_to_all":
-        return (ranks - 1) * logits_bytes(-(-batch // ranks), c, dtype_bytes)
-    if strategy in ("none", "replicated"):
-        return 0
-    raise ValueError(f"unknown collection strategy {strategy!r}; expected one of {COLLECTIONS}")
+    """Bytes the busiest rank receives to collect ``[batch, shard]`` logits shards with strategy
+    ``name``, per step: ``(n-1)·rows·c·b`` with ``c`` the largest shard and ``rows`` the
+    strategy's gathered rows (``all_gather``, ``gather`` on the destination, ``dp_gather_scatter``:
+    ``B``; ``all_to_all``: ``ceil(B/n)``; ``none``, ``replicated``: 0). Sampled ids sent back are
+    not counted."""
+    rows = strategy(name).gathered_rows(batch, ranks)
+    return (ranks - 1) * logits_bytes(rows, shard_rows(vocab, ranks, scheme, pad_to), dtype_bytes)
 
 
-def logits_buffer_bytes(strategy: str, batch: int, vocab: int, ranks: int, dtype_bytes: int,
+def logits_buffer_bytes(name: str, batch: int, vocab: int, ranks: int, dtype_bytes: int,
                         *, scheme: str = "padded", pad_to: int = 64, dp: int = 1) -> int:
-    """Peak logits memory on the busiest rank: the local ``[B, c]`` shard plus what the
-    strategy collects -- ``[B, n·c]`` (all_gather, gather), that plus the kept
-    ``[ceil(B/dp), V]`` rows (dp_gather_scatter), ``[ceil(B/n), n·c]`` (all_to_all), nothing
-    (none). Replicated: ``[ceil(B/dp), V]`` computed locally. One rank collects nothing."""
-    if strategy == "replicated":
-        return logits_bytes(-(-batch // dp), vocab, dtype_bytes)
+    """Peak logits memory on the busiest rank: the local logits it computes (``[B, c]``; a
+    replicated head ``[ceil(B/dp), V]``) plus what strategy ``name`` collects -- its gathered
+    rows of every shard, ``[rows, n·c]``, and full rows kept apart (``dp_gather_scatter``:
+    ``[ceil(B/dp), V]``). One rank collects nothing."""
+    s = strategy(name)
     c = shard_rows(vocab, ranks, scheme, pad_to)
-    collected = {"all_gather": logits_bytes(batch, ranks * c, dtype_bytes),
-                 "gather": logits_bytes(batch, ranks * c, dtype_bytes),
-                 "dp_gather_scatter": logits_bytes(batch, ranks * c, dtype_bytes)
-                 + logits_bytes(-(-batch // dp), vocab, dtype_bytes),
-                 "all_to_all": logits_bytes(-(-batch // ranks), ranks * c, dtype_bytes),
-                 "none": 0}
-    if strategy not in collected:
-        raise ValueError(f"unknown collection strategy {strategy!r}; expected one of {COLLECTIONS}")
-    return logits_bytes(batch, c, dtype_bytes) + (collected[strategy] if ranks > 1 else 0)
+    collected = logits_bytes(s.gathered_rows(batch, ranks), ranks * c, dtype_bytes) \
+        + logits_bytes(s.kept_rows(batch, dp), vocab, dtype_bytes)
+    return logits_bytes(s.local_rows(batch, dp), c, dtype_bytes) + (collected if ranks > 1 else 0)
 
 
 def greedy_sampling_bytes(batch: int, ranks: int) -> int:
@@ -175,15 +211,86 @@ def kv_tokens(nbytes: float, kv_bytes_per_token: float) -> int:
     return math.floor(nbytes / kv_bytes_per_token)
 
 
+# ---------------------------------------------------------------------- sampling on shards
+@dataclass(frozen=True)
+class Sampling:
+    """A decode step's sampling, the same for every row: ``temperature`` 0 is greedy (the other
+    fields then do nothing); ``top_k`` 0, ``top_p`` 1 and ``min_p`` 0 are off. Each field lies in
+    its ``LIMITS`` range."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in SAMPLING_LIMITS:
+            check_limit(name, getattr(self, name))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def describe(self) -> str:
+        """``"greedy"`` or the parameters in use, e.g. ``"temperature 0.8, top-p 0.9"``."""
+        if self.greedy:
+            return "greedy"
+        parts = [f"temperature {self.temperature:g}"] + [f"{name} {value:g}" for name, value, off in (
+            ("top-k", self.top_k, 0), ("top-p", self.top_p, 1), ("min-p", self.min_p, 0)) if value != off]
+        return ", ".join(parts)
+
+
+def sampler_traffic(rows: int, ranks: int, widest: int, vocab: int, s: Sampling) -> Traffic:
+    """One ``sample()`` call on ``rows`` rows of sharded logits (``widest``: the most real tokens
+    one rank holds), per the collectives its module docstring lists (the agreement check apart).
+
+    Greedy: one all-gather of a (value, id) pair per row. Otherwise round one gathers each
+    shard's top-c candidates (``wire.candidate_count``); the typical case is LLM-like peaked rows
+    without ties: top-k with k <= c and top-p are then settled by the candidates, top-p without
+    such a top-k needs one all-reduce of its total (8 B per row), top-k with k > c a threshold
+    search (two histogram all-reduces and a settling all-gather), and the token is drawn locally
+    unless no filter narrows the row (then one all-gather of each rank's best); only a top-k
+    search whose bounds share many key bits takes fewer histogram rounds. The worst case (flat
+    or tied rows) adds, wherever the code may take them: the total, a top-p threshold search, a
+    tie round after each search, and the draw's all-gather, each carrying all ``rows``. Bytes
+    depend on rows, n and c, never on V."""
+    if s.greedy:
+        return all_gather(rows * round_one_words(0) * WORD, ranks)
+    k = s.top_k if s.top_k < vocab else 0  # top-k over the whole vocabulary filters nothing
+    top_p = s.top_p < 1
+    c = candidate_count(ranks, widest, top_k=s.top_k if s.top_k <= MAX_CANDIDATES else 0, top_p=top_p,
+                        min_p=s.min_p > 0)
+    unsent = c < widest  # some rank holds tokens it did not send
+    hist = all_reduce(rows * histogram_words() * WORD, ranks)
+
+    def search(draw: bool) -> Traffic:
+        return hist + hist + all_gather(rows * settle_words(draw) * WORD, ranks) + maybe(hist)
+
+    t = all_gather(rows * round_one_words(c) * WORD, ranks)
+    if k > c:
+        t += search(draw=not top_p)
+    if top_p and unsent:
+        total = all_reduce(rows * WORD, ranks)
+        t += maybe(total + search(draw=True)) if 0 < k <= c else total + maybe(search(draw=True))
+    if unsent:
+        draw = all_gather(rows * DRAW_WORDS * WORD, ranks)
+        t += draw if not (k or top_p or s.min_p > 0) else maybe(draw)
+    return t
+
+
 # ---------------------------------------------------------------------- workload and designs
 @dataclass(frozen=True)
 class Workload:
-    """A model shape and a serving workload, in base units (bytes, bytes/s, FLOP/s).
+    """A model shape and a serving workload, in base units (bytes, bytes/s, FLOP/s, seconds).
 
     ``batch``: rows needing logits per decode step over the group; ``tokens``: tokens per
     forward (prefill) for the embedding; ``dp``: data-parallel attention groups (1 = attention
-    TP); it must divide ``ranks``. Every numeric field lies in its ``LIMITS`` range, which keeps
-    every planned quantity finite."""
+    TP); it must divide ``ranks``. ``sampling``: how each decode step samples. ``spec_tokens``:
+    draft tokens verified per row and step (0: no speculative decoding); ``draft_logits``: the
+    drafts come with the draft model's logits. ``score_tokens``: prompt tokens scored (log
+    probabilities with the top ``score_top_n``) per request. ``skew``: the share of a forward's
+    tokens owned by the busiest rank (``None``: balanced, 1/ranks). Every numeric field lies in
+    its ``LIMITS`` range, which keeps every planned quantity finite."""
 
     vocab: int
     hidden: int
@@ -199,12 +306,22 @@ class Workload:
     kv_bytes_per_token: float = 890
     pad_to: int = 64
     latency: float = LATENCY
+    sampling: Sampling = field(default_factory=Sampling)
+    spec_tokens: int = 0
+    draft_logits: bool = False
+    score_tokens: int = 0
+    score_top_n: int = 0
+    skew: float | None = None
 
     def __post_init__(self) -> None:
-        for name in (n for n in LIMITS if n != "headroom"):
-            check_limit(name, getattr(self, name))
+        for name in LIMITS:
+            if name not in ("headroom", *SAMPLING_LIMITS) and getattr(self, name) is not None:
+                check_limit(name, getattr(self, name))
         if self.ranks % self.dp:
             raise ValueError(f"dp={self.dp} must divide ranks={self.ranks}")
+        if self.skew is not None and self.skew * self.ranks < 1 - 1e-9:
+            raise ValueError(f"skew must be in [1/ranks, 1] = [{1 / self.ranks:g}, 1] (the busiest rank "
+                             f"owns at least an even share), got {self.skew!r}")
 
     @property
     def matrices(self) -> int:
@@ -214,13 +331,14 @@ class Workload:
 @dataclass(frozen=True)
 class Design:
     """One engine's way through the vocabulary dimension: layout scheme, embedding exchange,
-    logits collection. ``single_device``: no TP at all (llama.cpp; input embedding on the host)."""
+    logits collection ``strategy`` (:data:`vocabpar.strategies.STRATEGIES`). ``single_device``:
+    no TP at all (llama.cpp; input embedding on the host)."""
 
     name: str
     engine: str
     scheme: str
     embedding: str
-    collection: str
+    strategy: str
     summary: str
     single_device: bool = False
 
@@ -241,9 +359,56 @@ DESIGNS: tuple[Design, ...] = (
     Design("deepinfer-replicated", "DeepInfer", "replicated", "local", "replicated",
            "both matrices on every rank: local lookup, logits and sampling"),
     Design("vocabpar-sharded", "vocabpar", "padded", "owner_gather", "none",
-           "owner-gather embedding (balanced ownership assumed); sample on sharded logits "
-           "(greedy traffic shown)"),
+           "owner-gather embedding (priced at the skew); sample on sharded logits (the step's "
+           "sampling priced: typical peaked rows, worst case in --json)"),
 )
+
+
+def logits_traffic(name: str, rows: int, w: Workload, ranks: int, scheme: str) -> Traffic:
+    """The logits path of ``rows`` rows with strategy ``name`` on ``ranks`` ranks: its
+    collectives and gathered shards, the collective sharing sampled ids where it has one (its
+    bytes left out), and sampling on shards (``w.sampling``) where the logits stay sharded."""
+    s = strategy(name)
+    c = shard_rows(w.vocab, ranks, scheme, w.pad_to)
+    t = Traffic()
+    if ranks > 1:
+        t = exact(s.collectives + (s.ids is not None), logits_collection_bytes(
+            name, rows, w.vocab, ranks, w.logits_dtype_bytes, scheme=scheme, pad_to=w.pad_to))
+    if s.on_shards:
+        t += sampler_traffic(rows, ranks, min(c, w.vocab), w.vocab, w.sampling)
+    return t
+
+
+def verify_traffic(name: str, w: Workload, ranks: int, scheme: str) -> Traffic:
+    """Speculative verification of ``w.spec_tokens`` draft tokens per batch row, logits path
+    only. Collecting designs gather the ``B·(K+1)`` target rows with their strategy (plus the
+    collective sharing ids where they have one) and verify locally; replicated designs need
+    nothing. On shards it is the sampler's work on the ``B·(K+1)`` target rows with the step's
+    sampling; with draft logits on ``B·(2K+1)`` rows (targets and drafts) plus one all-reduce of
+    4 int64 per draft position and one all-gather of 4 int64 per batch row."""
+    K, B = w.spec_tokens, w.batch
+    if not K:
+        return Traffic()
+    if not (strategy(name).on_shards and w.draft_logits):
+        return logits_traffic(name, B * (K + 1), w, ranks, scheme)
+    return (logits_traffic(name, B * (2 * K + 1), w, ranks, scheme) + all_reduce(B * K * 4 * WORD, ranks)
+            + all_gather(B * 4 * WORD, ranks))
+
+
+def score_bytes(name: str, w: Workload, ranks: int, scheme: str) -> tuple[int, int]:
+    """``(received, peak logits bytes)`` on the busiest rank for scoring ``w.score_tokens`` prompt
+    tokens. On shards: ``token_logprobs`` per block of ``SCORE_ROWS`` rows, an all-gather of
+    ``score_words(top_n)`` int64 and an all-reduce of one int64 per row, one ``[SCORE_ROWS, c]``
+    block of logits held at a time. Collecting designs gather the ``[T, V]`` logits at once, as
+    engines do for prompt logprobs."""
+    T, b, s = w.score_tokens, w.logits_dtype_bytes, strategy(name)
+    if not s.on_shards:
+        return (logits_collection_bytes(name, T, w.vocab, ranks, b, scheme=scheme, pad_to=w.pad_to),
+                logits_buffer_bytes(name, T, w.vocab, ranks, b, scheme=scheme, pad_to=w.pad_to))
+    blocks = [SCORE_ROWS] * (T // SCORE_ROWS) + [T % SCORE_ROWS] * bool(T % SCORE_ROWS)
+    received = sum((all_gather(rows * score_words(w.score_top_n) * WORD, ranks)
+                    + all_reduce(rows * WORD, ranks)).bytes for rows in blocks)
+    return received, logits_bytes(min(T, SCORE_ROWS), shard_rows(w.vocab, ranks, scheme, w.pad_to), b)
 
 
 @dataclass(frozen=True)
@@ -251,12 +416,15 @@ class DesignCost:
     """Per-rank cost of one design (busiest rank; bytes, FLOPs, seconds, tokens).
 
     ``embedding_bytes``/``embedding_time_s``: one forward of ``tokens`` tokens.
-    ``step_bytes``/``step_time_s``: one decode step -- embedding of the ``batch`` new tokens,
-    hidden gather, logits collection or sampling traffic, plus the head GEMM; ``collectives``:
-    the calls one decode step makes (:func:`decode_collectives`), each costing ``latency``
-    before its bytes: ``step_time_s = collectives·latency + step_bytes/bandwidth + head_time_s``.
-    ``extra_memory_bytes``: weights + logits above the leanest design; ``kv_tokens`` what that
-    memory would hold as KV cache."""
+    ``step_bytes``/``collectives``: one decode step -- embedding of the ``batch`` new tokens,
+    hidden gather, logits collection (``collection_bytes``) or sampling on shards -- in the
+    typical case (:class:`Traffic`), ``step_bytes_worst``/``collectives_worst`` at most; each
+    collective costs ``latency`` before its bytes: ``step_time_s = collectives·latency +
+    step_bytes/bandwidth + head_time_s`` (``step_time_worst_s`` likewise). ``verify_*``: the
+    logits path of verifying ``spec_tokens`` drafts per row (typical case); ``score_bytes``,
+    ``score_peak_bytes``: scoring ``score_tokens`` prompt tokens. ``extra_memory_bytes``:
+    weights + logits above the leanest design; ``kv_tokens`` what that memory would hold as KV
+    cache."""
 
     name: str
     engine: str
@@ -270,12 +438,37 @@ class DesignCost:
     hidden_gather_bytes: int
     collection_bytes: int
     step_bytes: int
+    step_bytes_worst: int
     head_flops: int
     head_time_s: float
     step_time_s: float
+    step_time_worst_s: float
     collectives: int
+    collectives_worst: int
+    verify_bytes: int
+    verify_collectives: int
+    score_bytes: int
+    score_peak_bytes: int
     extra_memory_bytes: int = 0
     kv_tokens: int = 0
+
+
+def step_traffic(design: Design, w: Workload, *, owned: int | None = None, checked: bool = False) -> Traffic:
+    """One decode step of ``design`` on ``w``: the embedding exchange of the ``batch`` new
+    tokens (``owned``: the largest owner's count, default from ``w.skew``), with DP attention the
+    row counts and hidden rows gathered (``checked``: the counts carry the agreement record),
+    and the logits path (:func:`logits_traffic`). Nothing crosses ranks on one rank."""
+    n = 1 if design.single_device else w.ranks
+    dp = 1 if design.single_device else w.dp
+    if n == 1:
+        return Traffic()
+    owned = busiest_owner(w.batch, n, w.skew) if owned is None else owned
+    embedding = exact(int(design.embedding != "local"), embedding_exchange_bytes(
+        design.embedding, w.batch, w.hidden, n, w.weight_dtype_bytes, owned=owned))
+    hidden = Traffic()
+    if dp > 1 and design.scheme != "replicated":
+        hidden = exact(2, hidden_gather_bytes(w.batch, dp, w.hidden, w.weight_dtype_bytes, checked))
+    return embedding + hidden + logits_traffic(design.strategy, w.batch, w, n, design.scheme)
 
 
 def design_cost(design: Design, w: Workload) -> DesignCost:
@@ -283,44 +476,31 @@ def design_cost(design: Design, w: Workload) -> DesignCost:
     ``plan``)."""
     n = 1 if design.single_device else w.ranks
     dp = 1 if design.single_device else w.dp
-    replicated = design.scheme == "replicated"
+    s = strategy(design.strategy)
     cols = shard_rows(w.vocab, n, design.scheme, w.pad_to)
     matrices = 1 if design.single_device else w.matrices
     weights = weight_bytes(cols, w.hidden, w.weight_dtype_bytes, matrices)
-    logits = logits_buffer_bytes(design.collection, w.batch, w.vocab, n, w.logits_dtype_bytes,
+    logits = logits_buffer_bytes(design.strategy, w.batch, w.vocab, n, w.logits_dtype_bytes,
                                  scheme=design.scheme, pad_to=w.pad_to, dp=dp)
-    embedding = embedding_exchange_bytes(design.embedding, w.tokens, w.hidden, n, w.weight_dtype_bytes)
-    hidden = 0 if replicated else hidden_gather_bytes(w.batch, dp, w.hidden, w.weight_dtype_bytes)
-    if design.collection == "none":
-        collection = greedy_sampling_bytes(w.batch, n)
-    else:
-        collection = logits_collection_bytes(design.collection, w.batch, w.vocab, n,
-                                             w.logits_dtype_bytes, scheme=design.scheme, pad_to=w.pad_to)
-    step = (embedding_exchange_bytes(design.embedding, w.batch, w.hidden, n, w.weight_dtype_bytes)
-            + hidden + collection)
-    flops = head_flops(-(-w.batch // dp) if replicated else w.batch, cols, w.hidden)
+    embedding = embedding_exchange_bytes(design.embedding, w.tokens, w.hidden, n, w.weight_dtype_bytes,
+                                         owned=busiest_owner(w.tokens, n, w.skew))
+    hidden = 0 if design.scheme == "replicated" else hidden_gather_bytes(w.batch, dp, w.hidden,
+                                                                         w.weight_dtype_bytes)
+    step = step_traffic(design, w)
+    collection = logits_traffic(design.strategy, w.batch, w, n, design.scheme).bytes
+    verify = verify_traffic(design.strategy, w, n, design.scheme)
+    scored, score_peak = score_bytes(design.strategy, w, n, design.scheme)
+    flops = head_flops(s.local_rows(w.batch, dp), cols, w.hidden)
     head_time = compute_time(flops, w.flops)
-    calls = 0 if design.single_device else decode_collectives(design, dp)
+
+    def time(collectives: int, nbytes: int) -> float:
+        return collectives * w.latency + transfer_time(nbytes, w.bandwidth) + head_time
+
     return DesignCost(design.name, design.engine, design.summary, n, weights, logits, weights + logits,
-                      embedding, transfer_time(embedding, w.bandwidth), hidden, collection, step,
-                      flops, head_time, calls * w.latency + transfer_time(step, w.bandwidth) + head_time,
-                      calls)
-
-
-# collectives per decode step of each logits path, the exchange of sampled ids included where the
-# design needs one (gather: broadcast from the sampling rank; all-to-all: every rank's block)
-COLLECTION_COLLECTIVES = {"all_gather": 1, "gather": 2, "all_to_all": 2, "dp_gather_scatter": 1,
-                          "none": 1, "replicated": 0}
-
-
-def decode_collectives(design: Design, dp: int) -> int:
-    """Collectives of one decode step on a multi-rank design: the embedding exchange (none when
-    replicated), with DP attention the row counts and hidden rows gathered (2), and the logits
-    path; sampling on shards is priced greedy (one all-gather). The per-call agreement checks,
-    which production turns off, are left out."""
-    embedding = 0 if design.embedding == "local" else 1
-    hidden = 2 if dp > 1 and design.scheme != "replicated" else 0
-    return embedding + hidden + COLLECTION_COLLECTIVES[design.collection]
+                      embedding, transfer_time(embedding, w.bandwidth), hidden, collection, step.bytes,
+                      step.bytes_worst, flops, head_time, time(step.collectives, step.bytes),
+                      time(step.collectives_worst, step.bytes_worst), step.collectives,
+                      step.collectives_worst, verify.bytes, verify.collectives, scored, score_peak)
 
 
 def plan(w: Workload, designs: tuple[Design, ...] = DESIGNS) -> list[DesignCost]:
@@ -507,30 +687,55 @@ def save_png(fig, path: str) -> str:
     return target
 
 
+def winners(w: Workload, latencies: list[float], bandwidths: list[float],
+            designs: tuple[Design, ...] = DESIGNS) -> list[list[str]]:
+    """The recommended design (:func:`recommend`, no headroom limit) for ``w`` at every
+    (latency, bandwidth) of a grid: one list per latency, one name per bandwidth."""
+    return [[recommend(plan(replace(w, latency=a, bandwidth=b), designs)).design for b in bandwidths]
+            for a in latencies]
+
+
 def plot(w: Workload, path: str, designs: tuple[Design, ...] = DESIGNS) -> str:
-    """Write a PNG: decode-step bytes received per rank vs batch size, and memory per rank
-    vs ranks, one line per design (needs the ``plot`` extra, matplotlib). Returns the path
-    written (see ``png_path``)."""
+    """Write a PNG: decode-step bytes received per rank vs batch size and memory per rank vs
+    ranks, one line per design, and the map of which design wins (:func:`winners`) over latency
+    per collective and bandwidth, with ``w``'s own point marked (needs the ``plot`` extra,
+    matplotlib). Returns the path written (see ``png_path``)."""
     png_path(path)  # a bad name fails before any work
     plt = pyplot()
+    from matplotlib.colors import ListedColormap
+
     batches = [2**k for k in range(13)]
     ranks = [2**k for k in range(7)]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(19, 5))
     for i, d in enumerate(designs):
         style = {"marker": ".", "label": d.name, "linestyle": ("-", "--", ":", "-.")[i % 4]}
         left.plot(batches, [design_cost(d, replace(w, batch=b)).step_bytes for b in batches], **style)
-        right.plot(ranks, [design_cost(d, replace(w, ranks=r, dp=math.gcd(w.dp, r))).memory_bytes / GiB
-                           for r in ranks], **style)
+        middle.plot(ranks, [design_cost(d, replace(w, ranks=r, dp=math.gcd(w.dp, r), skew=None if w.skew
+                                                   is None else max(w.skew, 1 / r))).memory_bytes / GiB
+                            for r in ranks], **style)
     left.set(xscale="log", xlabel="batch (rows needing logits)",
              ylabel="bytes received per rank per decode step",
              title=f"V={w.vocab}, H={w.hidden}, {w.ranks} ranks, dp {w.dp}")
     left.set_yscale("symlog", linthresh=1e3)
     left.set_ylim(bottom=0)
-    right.set(xlabel="ranks", ylabel="weights + logits per rank (GiB)",
-              title=f"B={w.batch}")
-    right.set_xscale("log", base=2)
+    middle.set(xlabel="ranks", ylabel="weights + logits per rank (GiB)", title=f"B={w.batch}")
+    middle.set_xscale("log", base=2)
     left.legend(fontsize=7)
-    for ax in (left, right):
+    for ax in (left, middle):
         ax.grid(True, which="both", alpha=0.3)
+    latencies = [10 ** (-7 + k / 6) for k in range(25)]  # 0.1 us .. 1 ms per collective
+    bandwidths = [10 ** (9 + k / 6) for k in range(25)]  # 1 GB/s .. 10 TB/s
+    names = [d.name for d in designs]
+    won = [[names.index(x) for x in row] for row in winners(w, latencies, bandwidths, designs)]
+    colors = ListedColormap(plt.get_cmap("tab10").colors[: len(names)])
+    right.pcolormesh(bandwidths, latencies, won, cmap=colors, vmin=-0.5, vmax=len(names) - 0.5,
+                     shading="nearest")
+    present = sorted({i for row in won for i in row})
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors(i)) for i in present]
+    right.scatter([w.bandwidth], [max(w.latency, latencies[0])], marker="*", s=200, color="black", zorder=3)
+    right.legend(handles, [names[i] for i in present], fontsize=7, title_fontsize=7,
+                 title="fastest decode step (★ this workload)")
+    right.set(xscale="log", yscale="log", xlabel="bandwidth (bytes/s)", ylabel="latency per collective (s)",
+              title=f"winner by alpha and beta: B={w.batch}, {w.sampling.describe()}")
     fig.tight_layout()
     return save_png(fig, path)

@@ -61,3 +61,15 @@ def settle_words(draw: bool) -> int:
 
 DRAW_WORDS = 2
 """The draw's all-gather: each rank's best (score, id)."""
+
+
+# Scoring on shards (see ``vocabpar.scoring.token_logprobs``), per scored row and rank.
+SCORE_ROWS = 256
+"""Hidden rows whose logits one scoring call computes (``ParallelCausalLM.score``, prompt
+logprobs): no rank holds more than one ``[SCORE_ROWS, V/n]`` block of logits."""
+
+
+def score_words(top_n: int) -> int:
+    """The scoring all-gather: the shard's max, its sum-exp, the scored token's logit, and its
+    top-n (value, id); an all-reduce of one more word (the rank count) follows."""
+    return 3 + 2 * top_n

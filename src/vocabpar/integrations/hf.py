@@ -9,9 +9,11 @@ so every rank must hold the same model and be given the same prompts and paramet
 The decode loop left-pads the prompts into one batch, with the attention mask and position ids
 ``transformers``' ``generate`` builds, and per step runs: vocab-parallel lookup -> body with KV
 cache (``inputs_embeds``) -> last row of every sequence -> logits step -> collection strategy and
-the single-device sampler on full logits, or (``collect="none"``) the distributed sampler on the
-sharded logits. Every rank returns the same tokens. :func:`reference_generate` runs the same loop
-on the unmodified model (its own embedding and ``lm_head``): the single-device oracle.
+the single-device sampler on the full rows the strategy gives this rank, or (``strategy="none"``)
+the distributed sampler on the sharded logits; strategies that leave each rank only some rows
+then share the sampled ids. Every rank returns the same tokens. :func:`reference_generate` runs
+the same loop on the unmodified model (its own embedding and ``lm_head``): the single-device
+oracle.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import itertools
 import numbers
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -35,21 +37,22 @@ from vocabpar.layout import VocabLayout
 from vocabpar.sampling import SamplingParams, TokenCounts, reference_sample, sample
 from vocabpar.sampling.params import ROW_FIELDS
 from vocabpar.scoring import TokenLogprobs, token_logprobs
+from vocabpar.strategies import STRATEGIES
+from vocabpar.wire import SCORE_ROWS
 
-COLLECT = ("all_gather", "gather", "all_to_all", "dp_gather_scatter", "replicated", "none")
 GREEDY = SamplingParams(temperature=0.0)
 
 NextTokens = Callable[[torch.Tensor, SamplingParams, torch.Tensor, TokenCounts | None], torch.Tensor]
 Scorer = Callable[[torch.Tensor, torch.Tensor], TokenLogprobs]  # (hidden rows, target ids) -> scores
-SCORE_ROWS = 256  # hidden rows whose logits one scoring chunk computes
 
 
 @dataclass
 class Generation:
     """What a decode loop returns (the same on every rank): ``tokens[b]``, the new ids of prompt
     b; per step (step 0 is the prefill) ``inputs`` (the ids fed to the embedding, ``[B, T]``),
-    the wall time, and the bytes this rank received by collective kind (the exchange of sampled
-    ids is booked as ``"sampled_ids"``; the handshake and agreement checks are left out);
+    the wall time, and by collective kind the bytes this rank received (``step_received``) and
+    the collectives it took part in (``step_collectives``; the exchange of sampled ids is booked
+    as ``"sampled_ids"``; the handshake and agreement checks are left out);
     ``prompt_logprobs[b]`` (when asked for): the scores of prompt b's tokens 1.., ``[len - 1]``."""
 
     tokens: list[list[int]]
@@ -57,17 +60,32 @@ class Generation:
     step_seconds: list[float]
     step_received: list[dict[str, int]]
     prompt_logprobs: list[TokenLogprobs] | None = None
+    step_collectives: list[dict[str, int]] = field(default_factory=list)
+    drafted: int = 0  # speculative decoding: draft tokens proposed, and how many were accepted
+    accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0 without speculation)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def record(self, before: dict[str, comm.Counter], began: float, fed: torch.Tensor) -> None:
+        """Close a step that started at ``began`` with counters ``before`` and fed ``fed``."""
+        self.step_seconds.append(time.perf_counter() - began)
+        self.step_received.append(_since(before, "received"))
+        self.step_collectives.append(_since(before, "calls"))
+        self.inputs.append(fed.cpu())
 
 
 @dataclass
 class ParallelCausalLM:
     """A causal LM whose embedding and head are vocab-parallel over ``group`` (see
-    :func:`parallelize`); ``collect`` names how logits reach the sampler."""
+    :func:`parallelize`); ``strategy`` names how logits reach the sampler."""
 
     model: nn.Module
     embedding: VocabParallelEmbedding
     head: ParallelLMHead
-    collect: str
+    strategy: str
     group: comm.ProcessGroup = None
     scatter: str = "all_to_all"
 
@@ -76,23 +94,34 @@ class ParallelCausalLM:
         return self.embedding.layout
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None,
-                 max_new_tokens: int = 16, *, prompt_logprobs: int | None = None) -> Generation:
+                 max_new_tokens: int = 16, *, prompt_logprobs: int | None = None, draft=None,
+                 num_draft_tokens: int | None = None) -> Generation:
         """``max_new_tokens`` new tokens for every prompt (no stop tokens); ``params`` ``None``
         is greedy. Sampling is keyed on (seed, position, token id), so the tokens do not depend
         on the number of ranks, the strategy or the batch. ``prompt_logprobs=n``: also score
         every prompt's tokens 1.. (with the top ``n``) during the prefill, on the shards
-        (:meth:`score`'s arithmetic); ``Generation.prompt_logprobs[b]`` holds prompt b's."""
+        (:meth:`score`'s arithmetic); ``Generation.prompt_logprobs[b]`` holds prompt b's.
+        ``draft`` and ``num_draft_tokens=k``: speculative decoding with ``k`` drafts per step from
+        another :class:`ParallelCausalLM` or a ``PromptLookup``
+        (:mod:`vocabpar.integrations.speculative`)."""
+        if draft is not None or num_draft_tokens is not None:
+            from vocabpar.integrations.speculative import speculative_generate
+
+            if prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs is not available with speculative decoding")
+            return speculative_generate(self, prompts, params, max_new_tokens, draft, num_draft_tokens)
         scorer = None if prompt_logprobs is None else functools.partial(self._score_rows,
                                                                          top_n=prompt_logprobs)
         return _decode(self.model, self.embedding, self.layout.vocab_size, self._next_tokens, prompts, params,
                        max_new_tokens, scorer)
 
     @torch.inference_mode()
-    def score(self, input_ids: torch.Tensor, *, top_n: int = 0, max_rows: int = SCORE_ROWS) -> TokenLogprobs:
+    def score(self, input_ids: torch.Tensor, *, top_n: int = 0,
+              chunk_rows: int = SCORE_ROWS) -> TokenLogprobs:
         """Log-probabilities of ``input_ids`` (int64 ``[B, L]``, ``L >= 2``, no padding) under the
         model: fields ``[B, L - 1]`` (``top_*``: ``[B, L - 1, top_n]``) for the predictions of
-        tokens 1..L-1. Logits are computed ``max_rows`` hidden rows at a time and never
-        gathered, so no rank holds more than one ``[max_rows, V/n]`` block of them."""
+        tokens 1..L-1. Logits are computed ``chunk_rows`` hidden rows at a time and never
+        gathered, so no rank holds more than one ``[chunk_rows, V/n]`` block of them."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long or input_ids.dim() != 2 \
                 or input_ids.shape[1] < 2:
             raise ValueError(f"input_ids must be an int64 [B, L] tensor with L >= 2, got "
@@ -103,68 +132,63 @@ class ParallelCausalLM:
         ids = input_ids.to(device)
         states = self.model.base_model(inputs_embeds=self.embedding(ids), use_cache=False).last_hidden_state
         hidden = states[:, :-1].reshape(B * (L - 1), states.shape[-1])
-        scores = self._score_rows(hidden, ids[:, 1:].reshape(-1), top_n, max_rows)
+        scores = self._score_rows(hidden, ids[:, 1:].reshape(-1), top_n, chunk_rows)
         return scores.map(lambda t: t.reshape(B, L - 1, *t.shape[1:]))
 
     def _score_rows(self, hidden: torch.Tensor, targets: torch.Tensor, top_n: int,
-                    max_rows: int = SCORE_ROWS) -> TokenLogprobs:
+                    chunk_rows: int = SCORE_ROWS) -> TokenLogprobs:
         """:func:`token_logprobs` of ``targets`` under the logits of ``hidden``, chunk by chunk."""
         parts = [token_logprobs(local, self.layout, targets[rows], top_n=top_n, group=self.group)
                  for rows, local in iter_logits(self.head, hidden, strategy="none", group=self.group,
-                                                max_rows=max_rows)]
+                                                chunk_rows=chunk_rows)]
         return TokenLogprobs.concat(parts)
 
     def _next_tokens(self, hidden: torch.Tensor, params: SamplingParams, positions: torch.Tensor,
                      counts: TokenCounts | None) -> torch.Tensor:
+        s = STRATEGIES[self.strategy]
         B, n, me = hidden.shape[0], comm.world_size(self.group), comm.rank(self.group)
-        if self.collect == "none":
-            sharded = compute_logits(self.head, hidden, strategy="none", group=self.group)
+        if s.on_shards:
+            sharded = compute_logits(self.head, hidden, strategy=s.name, group=self.group)
             return sample(sharded.logits, self.layout, params, positions=positions, group=self.group,
                           token_counts=counts).tokens
-        if self.collect in ("all_gather", "replicated"):
-            full = compute_logits(self.head, hidden, strategy=self.collect, group=self.group)
-            return _sample_rows(full, params, positions, counts, slice(0, B))
-        if self.collect == "gather":
-            full = compute_logits(self.head, hidden, strategy="gather", group=self.group, dst=0)
-            mine = None if full is None else _sample_rows(full, params, positions, counts, slice(0, B))
-            with comm.booked_as("sampled_ids"):
-                return broadcast_tokens(mine, B, src=0, group=self.group)
-        # all_to_all / dp_gather_scatter: rank r gets full-vocab rows of its own contiguous block,
-        # samples them, and the blocks' ids are shared
-        if self.collect == "all_to_all":  # equal blocks of ceil(B/n) rows; zero rows fill the tail
-            per = -(-B // n)
-            sizes = [max(0, min(per, B - r * per)) for r in range(n)]
-            padded = hidden.new_zeros(per * n, hidden.shape[1])
-            padded[:B] = hidden
-            full = compute_logits(self.head, padded, strategy="all_to_all", group=self.group)
-        else:  # DP attention: rank r brings its own rows (balanced split)
-            sizes = [B // n + (r < B % n) for r in range(n)]
-            start = sum(sizes[:me])
-            full = compute_logits(self.head, hidden[start: start + sizes[me]], strategy="dp_gather_scatter",
-                                  group=self.group, scatter=self.scatter)
-        start = sum(sizes[:me])
-        mine = _sample_rows(full[: sizes[me]], params, positions, counts, slice(start, start + sizes[me]))
+        owned = [s.owns(B, n, r) for r in range(n)]  # each rank samples the rows it ends with
+        mine = slice(owned[me].start, owned[me].stop)
+        if s.inputs == "own":  # DP attention: each rank stands for one group holding its rows
+            rows = hidden[mine]
+        elif s.inputs == "blocks":  # equal blocks of ceil(B/n) rows; zero rows fill the tail
+            rows = hidden.new_zeros(-(-B // n) * n, hidden.shape[1])
+            rows[:B] = hidden
+        else:
+            rows = hidden
+        full = compute_logits(self.head, rows, strategy=s.name, group=self.group, scatter=self.scatter)
+        tokens = None if full is None else _sample_rows(full[: len(owned[me])], params, positions, counts,
+                                                        mine)
+        if s.ids is None:
+            return tokens
         with comm.booked_as("sampled_ids"):
-            return torch.cat(comm.all_gather_uneven(mine, sizes, self.group))
+            if s.ids == "broadcast":
+                return broadcast_tokens(tokens, B, src=0, group=self.group)
+            return torch.cat(comm.all_gather_uneven(tokens, [len(r) for r in owned], self.group))
 
 
 def parallelize(model: nn.Module, *, group: comm.ProcessGroup = None, scheme: str = "padded",
-                collect: str = "all_gather", exchange: str = "auto", scatter: str = "all_to_all",
+                strategy: str = "all_gather", exchange: str = "auto", scatter: str = "all_to_all",
                 deterministic: bool = False) -> ParallelCausalLM:
     """Replace ``model``'s input embedding and LM head (in place) by vocab-parallel modules over
     ``group`` laid out by ``scheme``, loading this rank's rows from the model's own weights.
 
-    ``collect``: one of :data:`COLLECT` (``replicated`` needs ``scheme="replicated"``; ``none``
-    samples on sharded logits). ``exchange``: the embedding exchange. ``scatter``: how
-    ``dp_gather_scatter`` returns rows (``all_to_all``, or SGLang's ``all_gather``; each rank
-    then stands for one DP attention group holding a contiguous block of the batch).
+    ``strategy``: one of :data:`vocabpar.strategies.STRATEGIES` (``replicated`` needs
+    ``scheme="replicated"``; ``none`` samples on sharded logits). ``exchange``: the embedding
+    exchange. ``scatter``: how ``dp_gather_scatter`` returns rows (``all_to_all``, or SGLang's
+    ``all_gather``; each rank then stands for one DP attention group holding a contiguous block
+    of the batch).
     ``deterministic``: logits whose bits do not depend on the number of ranks (see
     :class:`ParallelLMHead`)."""
-    if collect not in COLLECT:
-        raise ValueError(f"unknown collect {collect!r}; expected one of {COLLECT}")
-    if (collect == "replicated") != (scheme == "replicated"):
-        raise ValueError(f"collect='replicated' goes with scheme='replicated' and only with it "
-                         f"(got collect={collect!r}, scheme={scheme!r})")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; expected one of {sorted(STRATEGIES)}")
+    if STRATEGIES[strategy].replicated_only != (scheme == "replicated"):
+        raise ValueError(f"strategy='replicated' goes with scheme='replicated' and only with it "
+                         f"(got strategy={strategy!r}, scheme={scheme!r})")
     for key in ("final_logit_softcapping", "logit_scale"):
         if getattr(model.config, key, None) not in (None, 1.0):
             raise ValueError(f"models with {key} are not supported")
@@ -192,7 +216,7 @@ def parallelize(model: nn.Module, *, group: comm.ProcessGroup = None, scheme: st
         head.load_full_bias(target.bias.detach())
     model.set_input_embeddings(embedding)
     model.set_output_embeddings(head)
-    return ParallelCausalLM(model.eval(), embedding, head, collect, group, scatter)
+    return ParallelCausalLM(model.eval(), embedding, head, strategy, group, scatter)
 
 
 def reference_generate(model: nn.Module, prompts: Sequence[Sequence[int]],
@@ -266,9 +290,7 @@ def pad_id(config: object) -> int:
 def _decode(model: nn.Module, embed: nn.Module, vocab: int, next_tokens: NextTokens,
             prompts: Sequence[Sequence[int]], params: SamplingParams | None,
             max_new_tokens: int, scorer: Scorer | None = None) -> Generation:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    params = GREEDY if params is None else params
+    params = checked_request(params, max_new_tokens)
     ids, mask = left_pad(prompts, pad_id(model.config), vocab)
     device = next(model.parameters()).device
     ids, mask = ids.to(device), mask.to(device)
@@ -278,32 +300,62 @@ def _decode(model: nn.Module, embed: nn.Module, vocab: int, next_tokens: NextTok
     history: list[list[int]] = [[] for _ in range(B)]
     penalised = _uses_history(params, B, vocab)
     out = Generation([[] for _ in range(B)], [], [], [])
-    body = model.base_model
-    # the KV cache argument is ``cache`` in recent transformers, ``past_key_values`` before
-    cache_key = "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
-    cache, inputs = None, ids
+    stream = KVStream(model.base_model, embed, B, device)
+    inputs, valid = ids, mask.bool()
     for _ in range(max_new_tokens):
         before, start = comm.traffic(), time.perf_counter()
-        result = body(inputs_embeds=embed(inputs), attention_mask=mask, position_ids=position_ids,
-                      use_cache=True, **{cache_key: cache})
-        cache, states = getattr(result, cache_key), result.last_hidden_state
+        states = stream.feed(inputs, position_ids, valid)
         if scorer is not None and not out.inputs:  # the prefill: score the prompts' own tokens
             out.prompt_logprobs = _score_prompts(scorer, states, ids, prompts)
-        last = select_rows(states.reshape(-1, states.shape[-1]),
-                           seq_lens=torch.full((B,), states.shape[1], device=device))
         counts = TokenCounts.from_history(history, prompts) if penalised else None
-        tokens = next_tokens(last, params, positions, counts)
-        out.step_seconds.append(time.perf_counter() - start)
-        out.step_received.append(_received_since(before))
-        out.inputs.append(inputs.cpu())
+        tokens = next_tokens(last_rows(states), params, positions, counts)
+        out.record(before, start, inputs)
         for b, t in enumerate(tokens.tolist()):
             out.tokens[b].append(t)
             history[b].append(t)
-        inputs = tokens.view(B, 1).to(device)
-        mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+        inputs, valid = tokens.view(B, 1).to(device), torch.ones(B, 1, dtype=torch.bool, device=device)
         position_ids = position_ids[:, -1:] + 1
         positions = positions + 1
     return out
+
+
+def checked_request(params: SamplingParams | None, max_new_tokens: int) -> SamplingParams:
+    """The request's sampling parameters (``None`` is greedy), once ``max_new_tokens`` is valid."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    return GREEDY if params is None else params
+
+
+class KVStream:
+    """One model body's KV cache over a batch whose rows advance in lockstep: entries in storage
+    order, an attention mask in which left padding (and, when speculating, rejected drafts) are
+    holes, and explicit logical positions, so each row attends exactly to its own tokens."""
+
+    def __init__(self, body: nn.Module, embed: nn.Module, batch: int, device: torch.device) -> None:
+        self.body, self.embed, self.cache = body, embed, None
+        # the KV cache argument is ``cache`` in recent transformers, ``past_key_values`` before
+        self.key = "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
+        self.mask = torch.zeros(batch, 0, dtype=torch.long, device=device)
+
+    def feed(self, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[B, T, H]`` of ``ids`` ``[B, T]`` at logical ``positions``; entries where
+        ``valid`` is False are holes from the start."""
+        self.mask = torch.cat([self.mask, valid.long()], 1)
+        result = self.body(inputs_embeds=self.embed(ids), attention_mask=self.mask, position_ids=positions,
+                           use_cache=True, **{self.key: self.cache})
+        self.cache = getattr(result, self.key)
+        return result.last_hidden_state
+
+    def drop(self, holes: torch.Tensor) -> None:
+        """Make the last ``holes.shape[1]`` entries holes where ``holes`` (``[B, T]``) is True."""
+        if holes.shape[1]:
+            self.mask[:, -holes.shape[1]:] *= (~holes).long()
+
+
+def last_rows(states: torch.Tensor) -> torch.Tensor:
+    """The hidden state of every sequence's last position, ``[B, H]``."""
+    B, T, H = states.shape
+    return select_rows(states.reshape(-1, H), seq_lens=torch.full((B,), T, device=states.device))
 
 
 def _score_prompts(scorer: Scorer, states: torch.Tensor, ids: torch.Tensor,
@@ -336,9 +388,11 @@ def _uses_history(params: SamplingParams, batch: int, vocab: int) -> bool:
                 or (r.frequency_penalty != 0).any())
 
 
-def _received_since(before: dict[str, comm.Counter]) -> dict[str, int]:
+def _since(before: dict[str, comm.Counter], field: str) -> dict[str, int]:
+    """Per collective kind, how much ``field`` (``received`` bytes or ``calls``) of this process's
+    counters grew since ``before``; the safety exchanges (``comm.OVERHEAD``) are left out."""
     def prior(kind: str) -> int:
-        return before[kind].received if kind in before else 0
+        return getattr(before[kind], field) if kind in before else 0
 
-    return {kind: c.received - prior(kind) for kind, c in comm.traffic().items()
-            if kind not in comm.OVERHEAD and c.received != prior(kind)}
+    return {kind: getattr(c, field) - prior(kind) for kind, c in comm.traffic().items()
+            if kind not in comm.OVERHEAD and getattr(c, field) != prior(kind)}

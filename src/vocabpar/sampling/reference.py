@@ -135,8 +135,8 @@ def reference_verify(full_target_logits: torch.Tensor, params: SamplingParams, d
         at = positions[every] + torch.arange(k + 1).repeat(B)
         drawn = reference_sample(full_target_logits.reshape(B * (k + 1), V), params.take(B, V, every),
                                  positions=at).tokens.view(B, k + 1)
-        if draft_logits is not None:
-            flat = draft_logits.reshape(B * k, V)
+        if draft_logits is not None:  # a greedy row ignores its draft logits
+            flat = draft_logits[~rows.greedy].reshape(-1, V)
             check_rows(flat.isnan().any(1), (flat == NEG_INF).all(1))
         accepted = torch.zeros(B, dtype=torch.long)
         tokens = torch.full((B, k + 1), -1, dtype=torch.long)

@@ -230,5 +230,8 @@ def residual_scores(p: torch.Tensor, p_total: torch.Tensor, q: torch.Tensor, q_t
     ``log(p - q) + G`` where ``p > q``, else -inf. The noise is its own stream, independent of the
     sampler's and of the draft's."""
     r = p.double() / p_total.double()[:, None] - q.double() / q_total.double()[:, None]
-    noise = gumbel(row_keys(seed, positions, "residual")[:, None], ids)
-    return torch.where(r > 0, torch.log(r.clamp(min=0)) + noise, NEG_INF)
+    row, col = (r > 0).nonzero(as_tuple=True)  # usually few: p > 0 only on the kept tokens
+    scores = torch.full_like(r, NEG_INF)
+    keys = row_keys(seed[row], positions[row], "residual")
+    scores[row, col] = torch.log(r[row, col]) + gumbel(keys, ids[col])
+    return scores

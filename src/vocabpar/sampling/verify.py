@@ -20,11 +20,12 @@ parameters (or one-hot at ``x_i`` when no draft logits are given):
 * after ``k`` acceptances the bonus token is :func:`sample`'s draw at ``positions + k``.
 
 Collectives (agreement check off): those of one :func:`sample` call over the ``B·(k+1)`` target
-rows -- and, with draft logits, over the ``B·k`` draft rows in the same call -- then, with draft
-logits and a sampled row, one all-reduce of 4 int64 per (row, draft position) (target total, the
-draft token's target mass, draft total, the draft token's draft mass) and, when some row rejected,
-one all-gather of each rank's best correction (score, id), 16 bytes per row. Greedy
-verification is one all-gather of 16 bytes per (row, position). Bytes never depend on V.
+rows -- with draft logits, the ``k`` draft rows of every non-greedy row join the same call --
+then, with draft logits and a non-greedy row, one all-reduce of 4 int64 per (such row, draft
+position) (target total, the draft token's target mass, draft total, the draft token's draft
+mass) and, when some such row rejected a draft, one all-gather of each rank's best correction
+(score, id), 16 bytes per rejecting row. Greedy verification is one all-gather of 16 bytes per
+(row, position). Bytes never depend on V.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def verify(target_logits: torch.Tensor, layout: VocabLayout, params: SamplingPar
 def _verify_on_device(target_logits, layout, params, draft_tokens, positions, draft_logits, group,
                       check) -> VerifyOutput:
     V = layout.vocab_size
-    inputs: list[tuple[Ranks, int, int, torch.Tensor]] = []
+    inputs: list[tuple[Ranks, int, int, torch.Tensor, torch.Tensor]] = []
 
     def facts() -> dict[str, comm.Fact]:
         ranks = group_ranks(layout, group)
@@ -76,30 +77,44 @@ def _verify_on_device(target_logits, layout, params, draft_tokens, positions, dr
         if rows.logprobs is not None:
             raise ValueError("verify returns no logprobs: score the emitted tokens with token_logprobs")
         pos = check_positions(positions, B)
-        inputs.append((ranks, B, k, pos.to(target_logits.device)))
+        inputs.append((ranks, B, k, pos.to(target_logits.device), rows.greedy))
         return {**layout.describe(), "rows": B, "draft tokens": draft_tokens,
                 "draft logits": "given" if draft_logits is not None else "none",
                 "filter_order": rows.filter_order, "sampling parameters": params_fact(rows), "positions": pos}
 
     agreed("verify", layout, group, facts, check)
-    ranks, B, k, pos = inputs[0]
+    ranks, B, k, pos, greedy = inputs[0]
     drafts = draft_tokens.to(pos.device)
-    index, offset = _stacked_rows(B, k, draft_logits is not None)
+    # the stacked rows: the target's B·(k+1) (row b, position i at b·(k+1) + i), then the draft's
+    # k per drafted row (a greedy row ignores its draft logits)
+    drafted = torch.zeros(0, dtype=torch.long)
+    if draft_logits is not None and k:
+        drafted = (~greedy).nonzero()[:, 0]
+    index = torch.cat([torch.arange(B).repeat_interleave(k + 1), drafted.repeat_interleave(k)])
+    offset = torch.cat([torch.arange(k + 1).repeat(B), torch.arange(k).repeat(drafted.numel())])
     raw = target_logits.reshape(B * (k + 1), -1)
-    if draft_logits is not None:
-        raw = torch.cat([raw, draft_logits.reshape(B * k, -1)])
+    if drafted.numel():
+        raw = torch.cat([raw, draft_logits[drafted].reshape(drafted.numel() * k, -1)])
     rows = params.take(B, V, index).resolve(index.numel(), V)
     targets = B * (k + 1)
+
+    def row_name(j: int) -> str:
+        if j < targets:
+            return f"target row {j // (k + 1)} position {j % (k + 1)}"
+        return f"draft row {drafted[(j - targets) // k].item()} position {(j - targets) % k}"
+
     choice = choose(raw, layout, ranks, rows, pos[index] + offset,
-                    draws=torch.arange(index.numel()) < targets, row_name=lambda j: _row_name(j, B, k))
+                    draws=torch.arange(index.numel()) < targets, row_name=row_name)
     drawn = choice.tokens[:targets].view(B, k + 1)
     accept = drafts == drawn[:, :k]
     weighed = torch.zeros(B, k, dtype=torch.bool)
-    if draft_logits is not None:
+    if drafted.numel():
         weighed = choice.sampled[:targets].view(B, k + 1)[:, :k]
     masses = None
     if bool(weighed.any()):
-        masses = _Masses(choice, layout, ranks, drafts, pos, weighed, k)
+        slot = torch.full((B,), -1, dtype=torch.long)
+        slot[drafted] = torch.arange(drafted.numel())
+        masses = _Masses(choice, layout, ranks, drafts, pos, weighed, k, slot)
         accept = torch.where(weighed, masses.accept, accept)
     accepted = accept.long().cumprod(1).sum(1)
     tokens = torch.full((B, k + 1), -1, dtype=torch.long)
@@ -112,29 +127,14 @@ def _verify_on_device(target_logits, layout, params, draft_tokens, positions, dr
     return VerifyOutput(accepted, tokens)
 
 
-def _stacked_rows(B: int, k: int, with_drafts: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch row and position offset of each stacked row: the target's ``B·(k+1)`` rows
-    (row ``b``, position ``i`` at ``b·(k+1) + i``), then the draft's ``B·k``."""
-    shapes = [(B, k + 1)] + ([(B, k)] if with_drafts else [])
-    index = torch.cat([torch.arange(b).repeat_interleave(w) for b, w in shapes])
-    offset = torch.cat([torch.arange(w).repeat(b) for b, w in shapes])
-    return index, offset
-
-
-def _row_name(j: int, B: int, k: int) -> str:
-    which, j = ("target", j) if j < B * (k + 1) else ("draft", j - B * (k + 1))
-    width = k + 1 if which == "target" else k
-    return f"{which} row {j // width} position {j % width}"
-
-
 class _Masses:
     """The draft-logit positions' exact masses: per weighed (row, position) the target's and the
     draft's totals and masses of the draft token, summed over ranks in one all-reduce."""
 
     def __init__(self, choice: Choice, layout: VocabLayout, ranks: Ranks, drafts: torch.Tensor,
-                 pos: torch.Tensor, weighed: torch.Tensor, k: int) -> None:
+                 pos: torch.Tensor, weighed: torch.Tensor, k: int, slot: torch.Tensor) -> None:
         B = drafts.shape[0]
-        self.choice, self.layout, self.ranks, self.pos, self.k = choice, layout, ranks, pos, k
+        self.choice, self.ranks, self.pos, self.k, self.slot = choice, ranks, pos, k, slot
         b, i = weighed.nonzero(as_tuple=True)
         cols, owned = layout.local_ids(drafts[b, i], ranks.me)
         local = torch.zeros(b.numel(), 4, dtype=torch.long)
@@ -153,8 +153,8 @@ class _Masses:
 
     def _rows(self, b: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stacked indices of the target's and the draft's rows at (b, i)."""
-        B = self.pos.shape[0]
-        return b * (self.k + 1) + i, B * (self.k + 1) + b * self.k + i
+        targets = self.pos.shape[0] * (self.k + 1)
+        return b * (self.k + 1) + i, targets + self.slot[b] * self.k + i
 
     def correct(self, last: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
         """The corrections of the rows that rejected a weighed draft: Gumbel-max over ``(p - q)+``
