@@ -4,6 +4,8 @@ import sys
 
 import pytest
 
+from vocabpar.demo import MODES
+from vocabpar.integrations.speculative import can_verify
 from vocabpar.plan import DESIGNS
 
 pytest.importorskip("transformers")
@@ -21,9 +23,12 @@ def demo():
 def test_every_design_generates_the_reference_tokens(demo):
     _, data = demo
     assert (data["model"], data["vocab"], data["tied"], data["ranks"]) == ("gpt2", 50257, True, 2)
-    names = [d.name for d in DESIGNS if not d.single_device]
-    assert [(r["design"], r["mode"]) for r in data["rows"]] == [(n, m) for n in names
-                                                               for m in ("greedy", "sampled")]
+    designs = [d for d in DESIGNS if not d.single_device]
+    assert [(r["design"], r["mode"]) for r in data["rows"]] == [
+        (d.name, m.name) for d in designs for m in MODES if not m.spec_tokens or can_verify(d.strategy)]
+    speculative = {r["design"] for r in data["rows"] if r["mode"].startswith("spec")}
+    assert speculative == {"vllm-all-gather", "trtllm-uneven", "deepinfer-replicated", "vocabpar-sharded"}
+    assert all(0 <= r["acceptance"] <= 1 for r in data["rows"] if r["mode"].startswith("spec"))
     assert [r["equal"] for r in data["rows"]] == [3] * len(data["rows"])
     assert data["tokens_agree"] and demo[0] == 0
     for r in data["rows"]:
@@ -46,7 +51,8 @@ def _check_against_the_planner(rows: list[dict], ranks: int) -> None:
             assert r["collectives"] == r["collectives_predicted"], r
     # only sampling on shards depends on the data
     ranged = {key for key, r in by.items() if r["predicted_worst"] > r["predicted"]}
-    assert ranged == (set() if ranks == 1 else {("vocabpar-sharded", "sampled")})
+    sharded_sampling = {("vocabpar-sharded", "sampled"), ("vocabpar-sharded", "spec-sampled")}
+    assert ranged == (set() if ranks == 1 else sharded_sampling)
     calls = {key: r["collectives"] for key, r in by.items()}
     if ranks == 1:  # nothing crosses ranks
         assert set(calls.values()) == {0} and all(r["measured"] == r["predicted_worst"] == 0 for r in rows)
@@ -60,6 +66,11 @@ def _check_against_the_planner(rows: list[dict], ranks: int) -> None:
     # parameters (top-k 200 within the candidates settles top-p), as for greedy
     assert calls["vocabpar-sharded", "greedy"] == calls["vocabpar-sharded", "sampled"] == 2
     assert by["vocabpar-sharded", "sampled"]["measured"] == by["vocabpar-sharded", "sampled"]["predicted"]
+    # a greedy speculative step: the embedding exchange of the fed ids, one all-gather verifying
+    # every (row, position); gather-then-verify moves the B·(k+1) full rows
+    assert calls["vocabpar-sharded", "spec-greedy"] == 2
+    spec = {name: by[name, "spec-greedy"]["measured"] for name in ("vocabpar-sharded", "vllm-all-gather")}
+    assert spec["vocabpar-sharded"] < spec["vllm-all-gather"] / 100
 
 
 def test_measured_traffic_agrees_with_the_planner(demo):

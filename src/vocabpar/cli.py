@@ -185,16 +185,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
              _range(r.predicted, r.predicted_worst), f"{r.collectives:g}",
              _range(r.collectives_predicted, r.collectives_worst, "{:g}".format),
              "yes" if r.planner_agrees else "NO", _bytes(r.id_bytes), f"{r.ms_per_step:.1f}",
-             f"{r.peak_rss_mib:.0f}", f"{r.weights_mib:.2f}") for r in result.rows]
+             f"{r.peak_rss_mib:.0f}", f"{r.weights_mib:.2f}",
+             "-" if r.acceptance is None else f"{r.acceptance:.2f}") for r in result.rows]
     print(format_table(("design", "mode", "tokens equal", "recv B/step", "planner B/step", "coll/step",
                         "planner coll", "= planner", "ids B/step", "ms/step", "peak RSS MiB",
-                        "vocab MiB/rank"), rows))
+                        "vocab MiB/rank", "accepted"), rows))
     print("\ntokens equal: rows matching reference_sample with the same seeds (greedy: also transformers' "
           "generate).\nrecv, coll: bytes the busiest rank received and collectives it took part in per "
           "decode step\n(vocabpar.comm counters; the exchange of sampled ids counts as a collective, its "
           "bytes are shown apart).\nplanner: its prediction for the same shapes and ownership counts, "
           "typical..worst where sampling on\nshards depends on the data; = planner: every step within it "
-          "(exactly equal where deterministic).")
+          "(exactly equal where deterministic).\nspec-*: speculative decoding, "
+          f"{demo.SPEC_TOKENS} drafts per step from a draft model (demo.build_draft), verified on shards "
+          "or\nafter gathering; a step is a verification step, the draft model's own traffic left out; "
+          "accepted: drafts kept / proposed.")
     agree = sum(r.planner_agrees for r in result.rows)
     print(f"\ntokens: {'every design agrees' if result.tokens_agree else 'SOME DESIGNS DIFFER'}; planner: "
           f"{agree} of {len(result.rows)} rows within its prediction (bytes and collectives)")

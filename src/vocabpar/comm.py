@@ -331,7 +331,7 @@ def agree(where: str, group: ProcessGroup, collect: Callable[[], Mapping[str, Fa
 
     ``collect()`` validates the local input (raising ``ValueError``/``TypeError``) and returns the
     facts that must be replicated, by name: a count named by a plain plural ("rows": 4), a
-    setting ("max_rows": 8, "strategy": "gather") or a tensor ("hidden": its fingerprint).
+    setting ("chunk_rows": 8, "strategy": "gather") or a tensor ("hidden": its fingerprint).
     One all-gather of ``AGREE_WIDTH`` int64 per rank (booked as ``"agreement"``; a tensor fact
     costs one local pass to fingerprint) then makes every rank raise the same ``ValueError`` --
     naming the facts that differ and which rank holds what, or the ranks whose input was
@@ -401,6 +401,6 @@ def _disagreement(name: str, mine: Fact, values: list[int]) -> str:
         mine_word = zlib.crc32(mine.encode())
         return f"{name}: " + ", ".join(f"{who(rs)} {mine!r}" if v == mine_word else f"{who(rs)} another value"
                                        for v, rs in by_value.items())
-    plural = name.endswith("s") and "_" not in name  # a count reads "4 rows", a setting "max_rows=8"
+    plural = name.endswith("s") and "_" not in name  # a count reads "4 rows", a setting "chunk_rows=8"
     return ", ".join(f"{who(rs)} {v} {name}" if plural else f"{who(rs)} {name}={v}"
                      for v, rs in by_value.items())

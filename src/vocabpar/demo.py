@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from vocabpar import comm, launch, plan, rss
+from vocabpar.integrations.speculative import can_verify
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling import SamplingParams
 from vocabpar.strategies import STRATEGIES
@@ -94,18 +95,34 @@ def decode_step(design: plan.Design, w: plan.Workload, owned: int) -> plan.Traff
     return plan.step_traffic(design, w, owned=owned, checked=comm.checks_enabled())
 
 
+def verify_step(design: plan.Design, w: plan.Workload, owned: int) -> plan.Traffic:
+    """The planner's traffic for one speculative step of ``design``'s target model
+    (:func:`vocabpar.plan.verify_step_traffic`); the draft model's decoding is booked apart."""
+    return plan.verify_step_traffic(design, w, owned=owned)
+
+
 @dataclass(frozen=True)
 class Mode:
-    """A way of decoding that the demo runs through every design: ``params(batch)``, the sampling
-    parameters ``generate`` gets (``None``: greedy), and ``price(design, workload, owned)``, the
-    planner's traffic for one decode step (``owned``: the largest owner's count of its ids)."""
+    """A way of decoding that the demo runs through every design that supports it:
+    ``params(batch)``, the sampling parameters ``generate`` gets (``None``: greedy), and
+    ``price(design, workload, owned)``, the planner's traffic for one decode step (``owned``: the
+    largest owner's count of its ids). ``spec_tokens > 0``: speculative decoding with that many
+    drafts per step from :func:`build_draft`'s model (designs whose strategy can verify)."""
 
     name: str
     params: Callable[[int], SamplingParams | None]
     price: Callable[[plan.Design, plan.Workload, int], plan.Traffic] = decode_step
+    spec_tokens: int = 0
+
+    def runs(self, design: plan.Design) -> bool:
+        return not self.spec_tokens or can_verify(design.strategy)
 
 
-MODES: tuple[Mode, ...] = (Mode("greedy", lambda batch: None), Mode("sampled", sampling_params))
+SPEC_TOKENS = 3
+APART = ("sampled_ids", "draft")  # received bytes shown apart (ids) or left out (the draft's decoding)
+MODES: tuple[Mode, ...] = (Mode("greedy", lambda batch: None), Mode("sampled", sampling_params),
+                           Mode("spec-greedy", lambda batch: None, verify_step, SPEC_TOKENS),
+                           Mode("spec-sampled", sampling_params, verify_step, SPEC_TOKENS))
 
 
 def hf_generate(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -144,6 +161,7 @@ class Row:
     ms_per_step: float
     peak_rss_mib: float
     weights_mib: float
+    acceptance: float | None = None  # speculative modes: accepted / proposed drafts
 
     @property
     def tokens_agree(self) -> bool:
@@ -213,7 +231,7 @@ class Reference:
 def reference(model: str, batch: int, tokens: int) -> Reference:
     """``batch`` seeded prompts for ``model`` and their ``tokens`` new tokens in every mode from
     the single-process oracle (greedy also checked against ``transformers``' ``generate``)."""
-    from vocabpar.integrations.hf import reference_generate
+    from vocabpar.integrations.hf import parallelize, reference_generate
 
     reference_model = build_model(model)
     vocab, hidden = reference_model.get_input_embeddings().weight.shape
@@ -223,7 +241,15 @@ def reference(model: str, batch: int, tokens: int) -> Reference:
     if timed.tokens != hf_generate(reference_model, prompts, tokens):
         raise RuntimeError("the reference loop disagrees with transformers' generate")
     outputs = {mode.name: reference_generate(reference_model, prompts, mode.params(batch), tokens).tokens
-               for mode in MODES}
+               for mode in MODES if not mode.spec_tokens}
+    # speculative: gather-then-verify in one process (the full logits verified locally, which
+    # tests pin to reference_verify)
+    target = parallelize(build_model(model), strategy="all_gather")
+    draft = parallelize(build_draft(model), strategy="all_gather")
+    for mode in MODES:
+        if mode.spec_tokens:
+            outputs[mode.name] = target.generate(prompts, mode.params(batch), tokens, draft=draft,
+                                                 num_draft_tokens=mode.spec_tokens).tokens
     return Reference(model, vocab, hidden, tied, prompts, outputs, 1e3 * _mean(timed.step_seconds[1:]))
 
 
@@ -233,7 +259,7 @@ def compare(ref: Reference, per_rank: list[list[dict]], ranks: int) -> DemoResul
     rows = []
     for i, design in enumerate(designs()):
         layout = VocabLayout(ref.vocab, ranks, scheme=design.scheme)
-        for mode in MODES:
+        for mode in filter(lambda m: m.runs(design), MODES):
             runs = [r[i][mode.name] for r in per_rank]
             rows.append(_row(design, mode, runs, ref.tokens[mode.name], layout, ref.hidden))
     new_tokens = len(next(iter(ref.tokens.values()))[0])
@@ -243,32 +269,39 @@ def compare(ref: Reference, per_rank: list[list[dict]], ranks: int) -> DemoResul
 
 def rank_main(model_name: str, prompts: list[list[int]], tokens: int, progress: bool,
               group: comm.ProcessGroup = None) -> list[dict]:
-    """On each rank of ``group``: every design generates in every mode; per design, per mode what
-    this rank measured (tokens, the ids fed per step, seconds, bytes received and collectives
-    per step by kind, weight bytes, peak RSS)."""
+    """On each rank of ``group``: every design generates in every mode it supports; per design,
+    per mode what this rank measured (tokens, the ids fed per step, seconds, bytes received and
+    collectives per step by kind, weight bytes, peak RSS, the draft acceptance rate)."""
     from vocabpar.integrations.hf import parallelize
 
     out, todo = [], designs()
-    for i, design in enumerate(todo):
-        model = build_model(model_name)
+    total, done = sum(m.runs(d) for d in todo for m in MODES), 0
+    for design in todo:
         exchange = "auto" if design.embedding == "local" else design.embedding
-        lm = parallelize(model, group=group, scheme=design.scheme, strategy=design.strategy,
-                         scatter="all_gather", exchange=exchange)
+        options = dict(group=group, scheme=design.scheme, strategy=design.strategy, scatter="all_gather",
+                       exchange=exchange)
+        lm = parallelize(build_model(model_name), **options)
+        draft = None
         weights = lm.embedding.storage.nbytes + (0 if lm.head.storage is lm.embedding.storage
                                                  else lm.head.storage.nbytes)
         result = {}
-        for mode in MODES:
+        for mode in filter(lambda m: m.runs(design), MODES):
             gc.collect()
+            speculate = {}
+            if mode.spec_tokens:
+                draft = draft or parallelize(build_draft(model_name), **options)
+                speculate = dict(draft=draft, num_draft_tokens=mode.spec_tokens)
             peak = rss.reset_peak()
-            g = lm.generate(prompts, mode.params(len(prompts)), tokens)
+            g = lm.generate(prompts, mode.params(len(prompts)), tokens, **speculate)
             result[mode.name] = {"tokens": g.tokens, "inputs": g.inputs, "seconds": g.step_seconds,
                                  "received": g.step_received, "collectives": g.step_collectives,
-                                 "weights": weights, "peak_rss": rss.peak_bytes(peak)}
+                                 "weights": weights, "peak_rss": rss.peak_bytes(peak),
+                                 "acceptance": g.acceptance_rate if mode.spec_tokens else None}
+            done += 1
             _say(progress and comm.rank(group) == 0,
-                 f"[{len(MODES) * i + len(result)}/{len(MODES) * len(todo)}] {design.name} {mode.name}: "
-                 f"{1e3 * _mean(g.step_seconds[1:]):.1f} ms/step")
+                 f"[{done}/{total}] {design.name} {mode.name}: {1e3 * _mean(g.step_seconds[1:]):.1f} ms/step")
         out.append(result)
-        del lm, model
+        del lm, draft
     return out
 
 
@@ -283,10 +316,10 @@ def _row(design: plan.Design, mode: Mode, runs: list[dict], reference: list[list
     def busiest(count: Callable[[dict, int], float]) -> list[float]:
         return [max(count(r, s) for r in runs) for s in decode]
 
-    measured = busiest(lambda r, s: sum(v for k, v in r["received"][s].items() if k != "sampled_ids"))
+    measured = busiest(lambda r, s: sum(v for k, v in r["received"][s].items() if k not in APART))
     ids = busiest(lambda r, s: r["received"][s].get("sampled_ids", 0))
-    calls = busiest(lambda r, s: sum(r["collectives"][s].values()))
-    w = _workload(design, layout, hidden, batch, mode.params(batch))
+    calls = busiest(lambda r, s: sum(v for k, v in r["collectives"][s].items() if k != "draft"))
+    w = _workload(design, layout, hidden, batch, mode.params(batch), mode.spec_tokens)
     predicted = [mode.price(design, w, _largest_owner_count(layout, runs[0]["inputs"][s])) for s in decode]
     agrees = all(p.bytes <= m <= p.bytes_worst and p.collectives <= c <= p.collectives_worst
                  for m, c, p in zip(measured, calls, predicted))
@@ -294,19 +327,21 @@ def _row(design: plan.Design, mode: Mode, runs: list[dict], reference: list[list
                _mean([p.bytes for p in predicted]), _mean([p.bytes_worst for p in predicted]), _mean(calls),
                _mean([p.collectives for p in predicted]), _mean([p.collectives_worst for p in predicted]),
                agrees, _mean(ids), 1e3 * max(_mean(r["seconds"][1:]) for r in runs),
-               max(r["peak_rss"] for r in runs) / 2**20, runs[0]["weights"] / 2**20)
+               max(r["peak_rss"] for r in runs) / 2**20, runs[0]["weights"] / 2**20, runs[0]["acceptance"])
 
 
 def _workload(design: plan.Design, layout: VocabLayout, hidden: int, batch: int,
-              params: SamplingParams | None) -> plan.Workload:
+              params: SamplingParams | None, spec_tokens: int = 0) -> plan.Workload:
     """The demo's shapes as a planner workload: FP32 activations and logits; a strategy whose
-    ranks bring their own rows runs with one DP attention group per rank."""
+    ranks bring their own rows runs with one DP attention group per rank; speculative steps
+    verify ``spec_tokens`` drafts with the draft's logits when sampling."""
     n = layout.world_size
     sampling = plan.Sampling() if params is None else plan.Sampling(
         float(params.temperature), max(int(params.top_k), 0), float(params.top_p), float(params.min_p))
     dp = n if STRATEGIES[design.strategy].inputs == "own" else 1
     return plan.Workload(layout.vocab_size, hidden, ranks=n, dp=dp, batch=batch, pad_to=layout.pad_to,
-                         weight_dtype_bytes=FP32_BYTES, logits_dtype_bytes=FP32_BYTES, sampling=sampling)
+                         weight_dtype_bytes=FP32_BYTES, logits_dtype_bytes=FP32_BYTES, sampling=sampling,
+                         spec_tokens=spec_tokens, draft_logits=spec_tokens > 0 and params is not None)
 
 
 @dataclass

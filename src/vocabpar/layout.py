@@ -2,12 +2,12 @@
 
 Pure integer arithmetic plus index tensors; nothing here talks to other ranks.
 
-Per-rank storage order is always ``[base rows | base padding | added rows | added padding]``.
+Per-rank storage order is always ``[org rows | org padding | added rows | added padding]``.
 Schemes:
 
-* ``padded`` -- vLLM semantics: the base vocab and the added (LoRA) vocab are each padded to a
+* ``padded`` -- vLLM semantics: the org (original) vocab and the added (LoRA) vocab are each padded to a
   multiple of ``lcm(pad_to, world_size)`` and sharded equally, separately, and every rank
-  stores its base slice followed by its added slice. Using the lcm (vLLM uses ``pad_to`` and
+  stores its org slice followed by its added slice. Using the lcm (vLLM uses ``pad_to`` and
   then asserts divisibility) makes every world size valid.
 * ``uneven`` -- TensorRT-LLM semantics: rank r owns ``[r*c, min((r+1)*c, V))`` with
   ``c = ceil(V/n)``; no padding, trailing ranks may own fewer rows or none.
@@ -47,7 +47,7 @@ class Shard:
 
     @property
     def org_rows(self) -> int:
-        """Local rows before the added block: base rows plus base padding."""
+        """Local rows before the added block: org rows plus org padding."""
         return self.num_org + self.num_org_padding
 
     @property
@@ -56,7 +56,7 @@ class Shard:
 
     @property
     def ranges(self) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-        """``(global_start, global_end, local_start)`` of the base and the added ids stored."""
+        """``(global_start, global_end, local_start)`` of the org and the added ids stored."""
         return (self.org_start, self.org_end, 0), (self.added_start, self.added_end, self.org_rows)
 
 
@@ -66,7 +66,7 @@ def _round_up(x: int, quantum: int) -> int:
 
 @dataclass(frozen=True)
 class VocabLayout:
-    """How ``vocab_size`` token ids (the first ``org_vocab_size`` of them base vocab, the rest
+    """How ``vocab_size`` token ids (the first ``org_vocab_size`` of them the org (original) vocab, the rest
     added vocab) are stored over ``world_size`` ranks. Immutable and hashable."""
 
     vocab_size: int

@@ -383,16 +383,18 @@ def verify_traffic(name: str, w: Workload, ranks: int, scheme: str) -> Traffic:
     """Speculative verification of ``w.spec_tokens`` draft tokens per batch row, logits path
     only. Collecting designs gather the ``B·(K+1)`` target rows with their strategy (plus the
     collective sharing ids where they have one) and verify locally; replicated designs need
-    nothing. On shards it is the sampler's work on the ``B·(K+1)`` target rows with the step's
-    sampling; with draft logits on ``B·(2K+1)`` rows (targets and drafts) plus one all-reduce of
-    4 int64 per draft position and one all-gather of 4 int64 per batch row."""
+    nothing. On shards it is one sampler call on the ``B·(K+1)`` target rows with the step's
+    sampling; with draft logits and a sampled step the ``B·K`` draft rows join that call, then
+    one all-reduce of 4 int64 per draft position (the exact masses), and, when some row rejected
+    a draft, one all-gather of each rank's best correction (2 int64 per rejecting row: none in
+    the typical case, every row in the worst)."""
     K, B = w.spec_tokens, w.batch
     if not K:
         return Traffic()
-    if not (strategy(name).on_shards and w.draft_logits):
+    if not (strategy(name).on_shards and w.draft_logits and not w.sampling.greedy):
         return logits_traffic(name, B * (K + 1), w, ranks, scheme)
     return (logits_traffic(name, B * (2 * K + 1), w, ranks, scheme) + all_reduce(B * K * 4 * WORD, ranks)
-            + all_gather(B * 4 * WORD, ranks))
+            + maybe(all_gather(B * DRAW_WORDS * WORD, ranks)))
 
 
 def score_bytes(name: str, w: Workload, ranks: int, scheme: str) -> tuple[int, int]:
@@ -462,13 +464,30 @@ def step_traffic(design: Design, w: Workload, *, owned: int | None = None, check
     dp = 1 if design.single_device else w.dp
     if n == 1:
         return Traffic()
-    owned = busiest_owner(w.batch, n, w.skew) if owned is None else owned
-    embedding = exact(int(design.embedding != "local"), embedding_exchange_bytes(
-        design.embedding, w.batch, w.hidden, n, w.weight_dtype_bytes, owned=owned))
     hidden = Traffic()
     if dp > 1 and design.scheme != "replicated":
         hidden = exact(2, hidden_gather_bytes(w.batch, dp, w.hidden, w.weight_dtype_bytes, checked))
-    return embedding + hidden + logits_traffic(design.strategy, w.batch, w, n, design.scheme)
+    return (embedding_traffic(design, w, w.batch, n, owned) + hidden
+            + logits_traffic(design.strategy, w.batch, w, n, design.scheme))
+
+
+def embedding_traffic(design: Design, w: Workload, tokens: int, ranks: int, owned: int | None) -> Traffic:
+    """The embedding exchange of ``tokens`` ids (``owned``: the largest owner's count, default
+    from ``w.skew``)."""
+    owned = busiest_owner(tokens, ranks, w.skew) if owned is None else owned
+    return exact(int(design.embedding != "local"), embedding_exchange_bytes(
+        design.embedding, tokens, w.hidden, ranks, w.weight_dtype_bytes, owned=owned))
+
+
+def verify_step_traffic(design: Design, w: Workload, *, owned: int | None = None) -> Traffic:
+    """One speculative decoding step of the target (the draft model's own decoding apart): the
+    embedding exchange of the ``B·(K+1)`` ids it is fed (the last token and the drafts), then
+    the verification (:func:`verify_traffic`)."""
+    n = 1 if design.single_device else w.ranks
+    if n == 1:
+        return Traffic()
+    return (embedding_traffic(design, w, w.batch * (w.spec_tokens + 1), n, owned)
+            + verify_traffic(design.strategy, w, n, design.scheme))
 
 
 def design_cost(design: Design, w: Workload) -> DesignCost:

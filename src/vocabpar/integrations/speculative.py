@@ -25,9 +25,18 @@ import torch
 from vocabpar import comm
 from vocabpar.collect import compute_logits
 from vocabpar.integrations.hf import Generation, KVStream, checked_request, last_rows, left_pad, pad_id
-from vocabpar.sampling import SamplingParams, reference_sample, reference_verify, sample, verify
+from vocabpar.layout import VocabLayout
+from vocabpar.sampling import SamplingParams, reference_sample, sample, verify
+from vocabpar.strategies import STRATEGIES
 
 DRAFT_SEED = 0x5DEECE66D  # xor'ed into a row's seed for its draft model's proposals
+
+
+def can_verify(strategy: str) -> bool:
+    """Whether speculative decoding runs with ``strategy``: on shards (:func:`verify`), or where
+    every rank ends with the full logits of every row (gather-then-verify)."""
+    s = STRATEGIES[strategy]
+    return s.on_shards or s.ids is None
 
 
 @dataclass(frozen=True)
@@ -65,9 +74,10 @@ def speculative_generate(lm, prompts: Sequence[Sequence[int]], params: SamplingP
     params = checked_request(params, max_new_tokens)
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"num_draft_tokens must be a positive int, got {k!r}")
-    if lm.strategy not in ("none", "all_gather", "replicated"):
-        raise ValueError(f"speculative decoding verifies on shards (strategy='none') or on gathered logits "
-                         f"(strategy='all_gather' or 'replicated'), not with strategy={lm.strategy!r}")
+    if not can_verify(lm.strategy):
+        raise ValueError(f"speculative decoding verifies on shards or on logits every rank holds in full "
+                         f"(strategies {[n for n in STRATEGIES if can_verify(n)]}), not with "
+                         f"strategy={lm.strategy!r}")
     model_draft = not isinstance(draft, PromptLookup)
     if model_draft:
         if not isinstance(draft, type(lm)):
@@ -145,22 +155,24 @@ def _lengths(context: list[list[int]], device: torch.device) -> torch.Tensor:
 
 
 def _logits(lm, hidden: torch.Tensor) -> torch.Tensor:
-    """FP32 logits of ``hidden`` rows: this rank's shard (``strategy="none"``) or the full rows."""
+    """FP32 logits of ``hidden`` rows: this rank's shard, or the full rows."""
     result = compute_logits(lm.head, hidden, strategy=lm.strategy, group=lm.group)
-    return result.logits if lm.strategy == "none" else result
+    return result.logits if STRATEGIES[lm.strategy].on_shards else result
 
 
 def _draw(lm, logits: torch.Tensor, params: SamplingParams, positions: torch.Tensor) -> torch.Tensor:
-    if lm.strategy == "none":
+    if STRATEGIES[lm.strategy].on_shards:
         return sample(logits, lm.layout, params, positions=positions, group=lm.group).tokens
     return reference_sample(logits, params, positions=positions).tokens
 
 
 def _verify(lm, logits, params, drafts, positions, draft_logits):
-    if lm.strategy == "none":
-        return verify(logits, lm.layout, params, drafts, positions=positions, draft_logits=draft_logits,
-                      group=lm.group)
-    return reference_verify(logits, params, drafts, positions=positions, draft_logits=draft_logits)
+    """On shards; or gather-then-verify: the full rows every rank holds, verified locally as a
+    replicated layout (no collective; the same tokens as ``reference_verify``)."""
+    layout, group = lm.layout, lm.group
+    if not STRATEGIES[lm.strategy].on_shards:
+        layout, group = VocabLayout(layout.vocab_size, layout.world_size, scheme="replicated"), None
+    return verify(logits, layout, params, drafts, positions=positions, draft_logits=draft_logits, group=group)
 
 
 def _propose(draft, stream: KVStream, unfed: list[list[int]], positions: torch.Tensor, params: SamplingParams,
