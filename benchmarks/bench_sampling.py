@@ -12,12 +12,16 @@ per row a random permutation of -1.1·log(1 + rank) plus N(0, 0.1²) noise.
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
 import torch
 
 from vocabpar import SamplingParams, VocabLayout, comm, sample
 from vocabpar.launch import run
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import measure  # noqa: E402
 
 B, V, N = 256, 129280, 4
 
@@ -69,21 +73,6 @@ def _floor(local: torch.Tensor) -> torch.Tensor:
     return comm.all_gather(pairs)
 
 
-def _time(fn, iters: int) -> tuple[float, int, int]:
-    fn()  # warm-up
-    comm.reset_traffic()
-    fn()
-    sent = comm.total_bytes()[0]
-    calls = sum(c.calls for c in comm.traffic().values())
-    total = 0.0
-    for _ in range(iters):
-        comm.all_reduce(torch.zeros(1))  # barrier
-        start = time.perf_counter()
-        fn()
-        total += time.perf_counter() - start
-    return total / iters, sent, calls
-
-
 def _bench(iters: int) -> dict:
     layout = VocabLayout(V, N)
     pos = torch.arange(B)
@@ -92,10 +81,10 @@ def _bench(iters: int) -> dict:
         local = _logits(kind, layout)
         p = SamplingParams(**{**params.__dict__, "seed": list(range(B))})
         out[name] = {
-            "floor": _time(lambda local=local: _floor(local), iters),
-            "sharded": _time(lambda local=local, p=p: sample(local, layout, p, positions=pos, check=False),
+            "floor": measure(lambda local=local: _floor(local), iters),
+            "sharded": measure(lambda local=local, p=p: sample(local, layout, p, positions=pos, check=False),
                              iters),
-            "gather": _time(lambda local=local, q=params: _gather_then_sample(local, layout, q), iters),
+            "gather": measure(lambda local=local, q=params: _gather_then_sample(local, layout, q), iters),
         }
     return out
 

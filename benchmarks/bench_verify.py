@@ -14,12 +14,16 @@ the draft's argmax (one-hot rows) or drawn from its distribution (draft-logit ro
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
 import torch
 
 from vocabpar import SamplingParams, VocabLayout, comm, verify
 from vocabpar.launch import run
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import measure  # noqa: E402
 
 B, V, N = 64, 129280, 4
 
@@ -86,21 +90,6 @@ def _gather_then_verify(local_t, local_d, layout, params, drafts) -> torch.Tenso
     return torch.cat(out)
 
 
-def _time(fn, iters: int) -> tuple[float, int, int]:
-    fn()  # warm-up
-    comm.reset_traffic()
-    fn()
-    sent = comm.total_bytes()[0]
-    calls = sum(c.calls for c in comm.traffic().values())
-    total = 0.0
-    for _ in range(iters):
-        comm.all_reduce(torch.zeros(1))  # barrier
-        start = time.perf_counter()
-        fn()
-        total += time.perf_counter() - start
-    return total / iters, sent, calls
-
-
 def _bench(iters: int, ks: list[int]) -> dict:
     layout = VocabLayout(V, N)
     pos = torch.arange(B) * 3
@@ -130,7 +119,7 @@ def _bench(iters: int, ks: list[int]) -> dict:
                 return _gather_then_verify(t, dl, layout, q, d)
 
             accepted = sharded().accepted.double().mean().item()
-            out[k, name] = {"sharded": _time(sharded, iters), "gather": _time(gathered, iters),
+            out[k, name] = {"sharded": measure(sharded, iters), "gather": measure(gathered, iters),
                             "accepted": accepted}
     return out
 

@@ -6,6 +6,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 from vocabpar import comm
@@ -25,7 +26,6 @@ def timed(fn: Callable[[], object], reps: int, warmup: int = 2, sync: bool = Tru
         samples.append(time.perf_counter() - start)
     median = statistics.median(samples)
     if sync and dist.is_initialized():
-        import torch
         t = torch.tensor([median])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # bookkeeping only: not counted as traffic
         median = t.item()
@@ -45,3 +45,21 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1000
     return str(n)
+
+
+def measure(fn: Callable[[], object], iters: int) -> tuple[float, int, int]:
+    """``fn``'s mean seconds per call on this rank over ``iters`` calls, each started together
+    with the other ranks (a one-float all-reduce as barrier), after one warm-up; and the bytes
+    this rank sends and the collectives it takes part in per call (comm counters)."""
+    fn()
+    comm.reset_traffic()
+    fn()
+    sent = comm.total_bytes()[0]
+    calls = sum(c.calls for c in comm.traffic().values())
+    total = 0.0
+    for _ in range(iters):
+        comm.all_reduce(torch.zeros(1))  # barrier
+        start = time.perf_counter()
+        fn()
+        total += time.perf_counter() - start
+    return total / iters, sent, calls

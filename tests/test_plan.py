@@ -366,7 +366,7 @@ def test_sampler_traffic_per_parameter():
 def test_speculative_verification_per_design(capsys):
     """Gather-then-verify designs collect the B·(K+1) target rows; replicated ones verify
     locally; on shards it is the sampler's work on those rows (greedy: one all-gather of 16 B
-    per row), with draft logits on B·(2K+1) rows plus two small collectives."""
+    per row), with draft logits on B·(2K+1) rows plus two small collectives when sampling."""
     d = _designs_json(capsys, "--spec-tokens", "4")
     B, K, n, c = 256, 4, 8, 129280 // 8
     assert d["vllm-all-gather"]["verify_bytes"] == (n - 1) * B * (K + 1) * c * 2
@@ -380,9 +380,13 @@ def test_speculative_verification_per_design(capsys):
     assert _designs_json(capsys)["vocabpar-sharded"]["verify_bytes"] == 0  # no drafts
     w = replace(P.STUDY, spec_tokens=K, draft_logits=True, sampling=P.Sampling(temperature=1.0))
     widest = P.shard_rows(P.STUDY.vocab, n)
+    # the masses' all-reduce always; the corrections' all-gather (16 B per rejecting row) only
+    # when some row rejects: none typically, every row at worst
     assert P.verify_traffic("none", w, n, "padded") == (
         P.sampler_traffic(B * (2 * K + 1), n, widest, P.STUDY.vocab, w.sampling)
-        + P.all_reduce(B * K * 4 * 8, n) + P.all_gather(B * 4 * 8, n))
+        + P.all_reduce(B * K * 4 * 8, n) + P.maybe(P.all_gather(B * 2 * 8, n)))
+    greedy = replace(w, sampling=P.Sampling())  # a greedy row ignores its draft logits
+    assert P.verify_traffic("none", greedy, n, "padded") == P.exact(1, (n - 1) * B * (K + 1) * 16)
     assert P.verify_traffic("all_gather", w, n, "padded") == P.logits_traffic("all_gather", B * (K + 1), w, n,
                                                                               "padded")
 
