@@ -191,8 +191,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
                         "planner coll", "= planner", "ids B/step", "ms/step", "peak RSS MiB",
                         "vocab MiB/rank", "accepted"), rows))
     print("\ntokens equal: rows matching reference_sample with the same seeds (greedy: also transformers' "
-          "generate).\nrecv, coll: bytes the busiest rank received and collectives it took part in per "
-          "decode step\n(vocabpar.comm counters; the exchange of sampled ids counts as a collective, its "
+          "generate;\nspec-*: the speculative loop in one process, gathering).\nrecv, coll: bytes the "
+          "busiest rank received and collectives it took part in per decode step\n(vocabpar.comm "
+          "counters; the exchange of sampled ids counts as a collective, its "
           "bytes are shown apart).\nplanner: its prediction for the same shapes and ownership counts, "
           "typical..worst where sampling on\nshards depends on the data; = planner: every step within it "
           "(exactly equal where deterministic).\nspec-*: speculative decoding, "
