@@ -19,13 +19,15 @@ SAMPLED = SamplingParams(temperature=0.9, top_k=200, top_p=0.95, seed=[11, 12, 1
 NEAR_TIE = 1e-4  # top-2 logit gap below which a different batch shape may flip the argmax
 
 
-def _runs(strategies: list[str]) -> dict:
+def _runs(strategies: list[str], modes: tuple[str, ...] = ("greedy", "sampled")) -> dict:
     """On each rank: plain and speculative generations of the llama model, per strategy."""
     out = {}
     for strategy in strategies:
         lm = parallelize(build_model("llama"), strategy=strategy)
         draft = parallelize(build_draft("llama"), strategy=strategy)
         for mode, params in (("greedy", None), ("sampled", SAMPLED)):
+            if mode not in modes:
+                continue
             out[strategy, mode, "plain"] = lm.generate(PROMPTS, params, TOKENS).tokens
             model = lm.generate(PROMPTS, params, TOKENS, draft=draft, num_draft_tokens=3)
             lookup = lm.generate(PROMPTS, params, TOKENS, draft=PromptLookup(), num_draft_tokens=2)
@@ -39,8 +41,9 @@ def generations():
     """(world size, strategy) -> every rank's generations: "none" (verification on shards) at
     1-4 ranks, gather-then-verify ("all_gather") at 2."""
     launches = {1: [_runs(["none"])]}
-    for n in (2, 3, 4):
-        launches[n] = run(_runs, n, ["none", "all_gather"] if n == 2 else ["none"], timeout=120)
+    for n in (2, 3, 4):  # sampling is checked at 1, 2 and 4 ranks, greedy at 1-4
+        launches[n] = run(_runs, n, ["none", "all_gather"] if n == 2 else ["none"],
+                          ("greedy",) if n == 3 else ("greedy", "sampled"), timeout=120)
     return {(n, strategy): [{key[1:]: v for key, v in runs.items() if key[0] == strategy}
                             for runs in per_rank]
             for n, per_rank in launches.items() for strategy in ("none", "all_gather")
@@ -85,7 +88,8 @@ def test_prompt_lookup_sampling_emits_exactly_the_plain_loops_tokens(generations
     """Deterministic drafts are verified by the sampler's own draws: the tokens are plain decoding's."""
     for where, per_rank in generations.items():
         for runs in per_rank:
-            assert runs["sampled", "lookup"] == runs["sampled", "plain"], where
+            if ("sampled", "plain") in runs:
+                assert runs["sampled", "lookup"] == runs["sampled", "plain"], where
 
 
 def test_draft_model_sampling_is_the_same_at_every_rank_count(generations):
@@ -93,13 +97,16 @@ def test_draft_model_sampling_is_the_same_at_every_rank_count(generations):
     assert all(len(t) == TOKENS for t in first)
     for where, per_rank in generations.items():
         for runs in per_rank:
-            assert runs["sampled", "model"] == first, where
+            if ("sampled", "model") in runs:
+                assert runs["sampled", "model"] == first, where
 
 
 def test_acceptance_rates_are_reported(generations):
     for per_rank in generations.values():
         for runs in per_rank:
             for mode in ("greedy", "sampled"):
+                if (mode, "rates") not in runs:
+                    continue
                 model, lookup = runs[mode, "rates"]
                 assert 0 <= lookup <= 1 and 0 < model <= 1  # the draft agrees with its target often
 

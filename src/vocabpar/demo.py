@@ -107,7 +107,8 @@ class Mode:
     ``params(batch)``, the sampling parameters ``generate`` gets (``None``: greedy), and
     ``price(design, workload, owned)``, the planner's traffic for one decode step (``owned``: the
     largest owner's count of its ids). ``spec_tokens > 0``: speculative decoding with that many
-    drafts per step from :func:`build_draft`'s model (designs whose strategy can verify)."""
+    drafts per step from :func:`build_draft`'s model (run for the engines' gather-then-verify
+    and for verification on shards: :data:`SPECULATIVE_DESIGNS`)."""
 
     name: str
     params: Callable[[int], SamplingParams | None]
@@ -115,10 +116,11 @@ class Mode:
     spec_tokens: int = 0
 
     def runs(self, design: plan.Design) -> bool:
-        return not self.spec_tokens or can_verify(design.strategy)
+        return not self.spec_tokens or (can_verify(design.strategy) and design.name in SPECULATIVE_DESIGNS)
 
 
 SPEC_TOKENS = 3
+SPECULATIVE_DESIGNS = ("vllm-all-gather", "vocabpar-sharded")  # gather-then-verify vs verify on shards
 APART = ("sampled_ids", "draft")  # received bytes shown apart (ids) or left out (the draft's decoding)
 MODES: tuple[Mode, ...] = (Mode("greedy", lambda batch: None), Mode("sampled", sampling_params),
                            Mode("spec-greedy", lambda batch: None, verify_step, SPEC_TOKENS),
