@@ -298,7 +298,7 @@ def _decode(model: nn.Module, embed: nn.Module, vocab: int, next_tokens: NextTok
     positions = torch.tensor([len(p) for p in prompts], device=device)  # of the token being sampled
     B = len(prompts)
     history: list[list[int]] = [[] for _ in range(B)]
-    penalised = _uses_history(params, B, vocab)
+    penalised = uses_penalties(params, B, vocab)
     out = Generation([[] for _ in range(B)], [], [], [])
     stream = KVStream(model.base_model, embed, B, device)
     inputs, valid = ids, mask.bool()
@@ -382,7 +382,8 @@ def _sample_rows(full: torch.Tensor, params: SamplingParams, positions: torch.Te
                             token_counts=part).tokens
 
 
-def _uses_history(params: SamplingParams, batch: int, vocab: int) -> bool:
+def uses_penalties(params: SamplingParams, batch: int, vocab: int) -> bool:
+    """Whether any row applies a repetition, presence or frequency penalty."""
     r = params.resolve(batch, vocab)
     return bool((r.repetition_penalty != 1).any() or (r.presence_penalty != 0).any()
                 or (r.frequency_penalty != 0).any())

@@ -24,7 +24,15 @@ import torch
 
 from vocabpar import comm
 from vocabpar.collect import compute_logits
-from vocabpar.integrations.hf import Generation, KVStream, checked_request, last_rows, left_pad, pad_id
+from vocabpar.integrations.hf import (
+    Generation,
+    KVStream,
+    checked_request,
+    last_rows,
+    left_pad,
+    pad_id,
+    uses_penalties,
+)
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling import SamplingParams, reference_sample, sample, verify
 from vocabpar.strategies import STRATEGIES
@@ -89,8 +97,7 @@ def speculative_generate(lm, prompts: Sequence[Sequence[int]], params: SamplingP
                              "strategy and group")
     V, B = lm.layout.vocab_size, len(prompts)
     rows = params.resolve(B, V)
-    if bool((rows.repetition_penalty != 1).any() or (rows.presence_penalty != 0).any()
-            or (rows.frequency_penalty != 0).any()):
+    if uses_penalties(params, B, V):
         raise ValueError("speculative decoding does not apply repetition, presence or frequency penalties")
     ids, mask = left_pad(prompts, pad_id(lm.model.config), V)
     device = next(lm.model.parameters()).device

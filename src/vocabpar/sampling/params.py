@@ -10,7 +10,7 @@ import contextlib
 import math
 import reprlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -113,8 +113,8 @@ class SamplingParams:
     def take(self, batch: int, vocab_size: int, index: torch.Tensor) -> SamplingParams:
         """These parameters, resolved for ``batch`` rows, at rows ``index`` (row ``j`` of the result
         is row ``index[j]``); logprobs are not carried."""
-        rows = self.resolve(batch, vocab_size)
-        return SamplingParams(**{name: getattr(rows, name)[index] for name in ROW_FIELDS},
+        rows = self.resolve(batch, vocab_size).take(index)
+        return SamplingParams(**{name: getattr(rows, name) for name in ROW_FIELDS},
                               logprobs_of=self.logprobs_of, filter_order=self.filter_order)
 
     def _logprob_counts(self, batch: int, vocab_size: int) -> torch.Tensor | None:
@@ -156,6 +156,10 @@ class Rows:
     @property
     def greedy(self) -> torch.Tensor:
         return self.temperature < GREEDY_BELOW
+
+    def take(self, index: torch.Tensor) -> Rows:
+        """These rows at ``index`` (row ``j`` of the result is row ``index[j]``), without logprobs."""
+        return replace(self, **{name: getattr(self, name)[index] for name in ROW_FIELDS}, logprobs=None)
 
 
 @dataclass(frozen=True)

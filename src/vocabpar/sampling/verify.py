@@ -34,7 +34,7 @@ import torch
 
 from vocabpar import comm
 from vocabpar.layout import VocabLayout
-from vocabpar.sampling.params import SamplingParams, check_positions, check_verify_inputs, on_device
+from vocabpar.sampling.params import Rows, SamplingParams, check_positions, check_verify_inputs, on_device
 from vocabpar.sampling.semantics import (
     NEG_INF,
     VerifyOutput,
@@ -67,7 +67,7 @@ def verify(target_logits: torch.Tensor, layout: VocabLayout, params: SamplingPar
 def _verify_on_device(target_logits, layout, params, draft_tokens, positions, draft_logits, group,
                       check) -> VerifyOutput:
     V = layout.vocab_size
-    inputs: list[tuple[Ranks, int, int, torch.Tensor, torch.Tensor]] = []
+    inputs: list[tuple[Ranks, int, int, torch.Tensor, Rows]] = []
 
     def facts() -> dict[str, comm.Fact]:
         ranks = group_ranks(layout, group)
@@ -77,25 +77,25 @@ def _verify_on_device(target_logits, layout, params, draft_tokens, positions, dr
         if rows.logprobs is not None:
             raise ValueError("verify returns no logprobs: score the emitted tokens with token_logprobs")
         pos = check_positions(positions, B)
-        inputs.append((ranks, B, k, pos.to(target_logits.device), rows.greedy))
+        inputs.append((ranks, B, k, pos.to(target_logits.device), rows))
         return {**layout.describe(), "rows": B, "draft tokens": draft_tokens,
                 "draft logits": "given" if draft_logits is not None else "none",
                 "filter_order": rows.filter_order, "sampling parameters": params_fact(rows), "positions": pos}
 
     agreed("verify", layout, group, facts, check)
-    ranks, B, k, pos, greedy = inputs[0]
+    ranks, B, k, pos, batch_rows = inputs[0]
     drafts = draft_tokens.to(pos.device)
     # the stacked rows: the target's B·(k+1) (row b, position i at b·(k+1) + i), then the draft's
     # k per drafted row (a greedy row ignores its draft logits)
     drafted = torch.zeros(0, dtype=torch.long)
     if draft_logits is not None and k:
-        drafted = (~greedy).nonzero()[:, 0]
+        drafted = (~batch_rows.greedy).nonzero()[:, 0]
     index = torch.cat([torch.arange(B).repeat_interleave(k + 1), drafted.repeat_interleave(k)])
     offset = torch.cat([torch.arange(k + 1).repeat(B), torch.arange(k).repeat(drafted.numel())])
     raw = target_logits.reshape(B * (k + 1), -1)
     if drafted.numel():
         raw = torch.cat([raw, draft_logits[drafted].reshape(drafted.numel() * k, -1)])
-    rows = params.take(B, V, index).resolve(index.numel(), V)
+    rows = batch_rows.take(index)
     targets = B * (k + 1)
 
     def row_name(j: int) -> str:
