@@ -16,7 +16,7 @@ from vocabpar import (
 )
 from vocabpar.collect import RUN
 from vocabpar.launch import LaunchError, run
-from vocabpar.strategies import STRATEGIES as STRATEGY_FACTS
+from vocabpar.wire.strategies import STRATEGIES as STRATEGY_FACTS
 
 SHAPES = [(1026, 1010, 24), (5003, None, 16), (5, None, 8)]  # added vocab, no added vocab, empty shards
 STRATEGIES = ["all_gather", "gather", "all_to_all", "dp_gather_scatter", "dp_sglang", "none"]

@@ -13,7 +13,7 @@ from vocabpar.sampling import (
     sample,
     verify,
 )
-from vocabpar.scoring import TokenLogprobs, token_logprobs
+from vocabpar.sampling.scoring import TokenLogprobs, token_logprobs
 
 __all__ = ["ParallelLMHead", "Shard", "ShardedLogits", "VocabLayout", "VocabParallelEmbedding",
            "broadcast_tokens", "compute_logits", "iter_logits", "reference_logits", "select_rows",

@@ -1,7 +1,7 @@
 """Logits collection: from per-rank vocab shards to full-vocabulary rows where they are needed.
 
 The strategies' facts (inputs, chunking, rows each rank ends with, what they send) are
-:data:`vocabpar.strategies.STRATEGIES`; here each is one short run function (:data:`RUN`). They
+:data:`vocabpar.wire.strategies.STRATEGIES`; here each is one short run function (:data:`RUN`). They
 share two helpers: ``_padded_local`` (local FP32 logits padded to the layout's widest shard, so
 every collective moves equal shapes) and ``_to_token_order`` (stacked shards -> columns in
 token-id order, padding dropped, using the layout's id ranges). Every strategy returns, for the
@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from vocabpar import comm, strategies
+from vocabpar import comm
 from vocabpar.head import ParallelLMHead
 from vocabpar.layout import VocabLayout
-from vocabpar.strategies import STRATEGIES
+from vocabpar.wire import strategies
+from vocabpar.wire.strategies import STRATEGIES
 
 ProcessGroup = comm.ProcessGroup
 

@@ -42,7 +42,8 @@ import torch
 import torch.distributed as dist
 
 from vocabpar.hashing import fingerprint
-from vocabpar.wire import agreement_words
+from vocabpar.wire.sampler import agreement_words
+from vocabpar.wire.traffic import all_gather_bytes, all_reduce_bytes
 
 ProcessGroup = dist.ProcessGroup | None
 
@@ -160,7 +161,7 @@ def all_reduce(t: torch.Tensor, group: ProcessGroup = None) -> torch.Tensor:
     if n > 1:
         with _named_failure("all_reduce", _nbytes(t), group):
             dist.all_reduce(t, group=group)
-        _count("all_reduce", 2 * (n - 1) / n * _nbytes(t), 2 * (n - 1) / n * _nbytes(t))
+        _count("all_reduce", all_reduce_bytes(_nbytes(t), n), all_reduce_bytes(_nbytes(t), n))
     return t
 
 
@@ -188,7 +189,7 @@ def all_reduce_max(t: torch.Tensor, group: ProcessGroup = None) -> torch.Tensor:
     if n > 1:
         with _named_failure("all_reduce (max)", _nbytes(t), group):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        _count("all_reduce", 2 * (n - 1) / n * _nbytes(t), 2 * (n - 1) / n * _nbytes(t))
+        _count("all_reduce", all_reduce_bytes(_nbytes(t), n), all_reduce_bytes(_nbytes(t), n))
     return t
 
 
@@ -201,7 +202,7 @@ def all_gather(t: torch.Tensor, group: ProcessGroup = None) -> torch.Tensor:
     flat = t.reshape(1, -1) if t.dim() == 0 else t.contiguous()
     with _named_failure("all_gather", _nbytes(t), group):
         _all_gather_into(out.view(n * flat.shape[0], *flat.shape[1:]), flat, group=group)
-    _count("all_gather", (n - 1) * _nbytes(t), (n - 1) * _nbytes(t))
+    _count("all_gather", all_gather_bytes(_nbytes(t), n), all_gather_bytes(_nbytes(t), n))
     return out
 
 
@@ -245,7 +246,7 @@ def gather(t: torch.Tensor, dst: int = 0, group: ProcessGroup = None) -> torch.T
         out = torch.empty((n, *t.shape), dtype=t.dtype, device=t.device)
         with _named_failure("gather", _nbytes(t), group):
             dist.gather(t, list(out.unbind(0)), dst=global_rank(group, dst), group=group)
-        _count("gather", 0, (n - 1) * _nbytes(t))
+        _count("gather", 0, all_gather_bytes(_nbytes(t), n))
         return out
     with _named_failure("gather", _nbytes(t), group):
         dist.gather(t, None, dst=global_rank(group, dst), group=group)

@@ -28,7 +28,7 @@ from vocabpar import comm, launch, plan, rss
 from vocabpar.integrations.speculative import can_verify
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling import SamplingParams
-from vocabpar.strategies import STRATEGIES
+from vocabpar.wire.strategies import STRATEGIES
 
 MODELS = ("gpt2", "llama", "qwen2")
 FP32_BYTES = 4  # the demo models, their activations and the logits are FP32

@@ -12,8 +12,8 @@ import torch
 
 from vocabpar import comm
 from vocabpar.layout import VocabLayout
-from vocabpar.strategies import exchange_bytes
 from vocabpar.weights import VocabShardedMatrix, dequantize_rows
+from vocabpar.wire.strategies import exchange_bytes
 
 EXCHANGES = ("auto", "all_reduce", "owner_gather")
 OOB_MODES = ("error", "zero")
@@ -21,7 +21,7 @@ OOB_MODES = ("error", "zero")
 
 def exchange_costs(counts: list[int], total: int) -> dict[str, float]:
     """Rows a rank receives under each exchange, given how many of ``total`` looked-up rows each
-    rank owns (:func:`vocabpar.strategies.exchange_bytes`, the planner's formula, for one-byte
+    rank owns (:func:`vocabpar.wire.strategies.exchange_bytes`, the planner's formula, for one-byte
     rows): the ring all-reduce ``2(n-1)/n·T``, the owner gather ``(n-1)·max(counts)``."""
     n = len(counts)
     return {mode: exchange_bytes(mode, total, 1, n, max(counts)) for mode in ("all_reduce", "owner_gather")}

@@ -5,7 +5,7 @@ seconds). Traffic is the bytes *received by the busiest rank*, under the byte mo
 ``vocabpar.comm`` books (ring all-reduce ``2(n-1)/n*M``, ring all-gather ``(n-1)*chunk`` with
 chunks padded to the largest, gather ``(n-1)*chunk`` on the destination, all-to-all exact
 splits), so predictions can be compared with measured counters. The strategies' facts (what
-they send, which rows each rank ends with) come from :mod:`vocabpar.strategies`; the sampler's
+they send, which rows each rank ends with) come from :mod:`vocabpar.wire.strategies`; the sampler's
 message sizes from :mod:`vocabpar.wire`.
 
 Topology: ``ranks`` ranks share the vocabulary (the head's TP group). Attention is either
@@ -25,8 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from vocabpar.layout import VocabLayout
-from vocabpar.strategies import exchange_bytes, strategy
-from vocabpar.wire import (
+from vocabpar.wire.sampler import (
     DRAW_WORDS,
     MAX_CANDIDATES,
     SCORE_ROWS,
@@ -37,10 +36,11 @@ from vocabpar.wire import (
     score_words,
     settle_words,
 )
+from vocabpar.wire.strategies import exchange_bytes, strategy
+from vocabpar.wire.traffic import WORD, Traffic, all_gather, all_reduce, exact, maybe
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
-WORD = 8  # the sampler's and the scorer's messages are int64 words
 GREEDY_PAIR_BYTES = 8 + 8  # float64 value (the sampler ranks in float64) + int64 global id per row
 # Accepted [low, high] of each Workload and Sampling field and of the headroom, in base units:
 # wide enough for any real model, cluster and decode step, narrow enough that every planned
@@ -77,48 +77,6 @@ def dtype_bytes(name: str) -> int:
         raise ValueError(f"unknown dtype {name!r}; known: {', '.join(DTYPE_BYTES)}") from None
 
 
-# ---------------------------------------------------------------------- traffic
-@dataclass(frozen=True)
-class Traffic:
-    """What one rank takes part in: ``collectives`` calls in which it receives ``bytes`` in the
-    typical case, and at most ``collectives_worst`` calls and ``bytes_worst`` bytes (equal to
-    the typical ones where the traffic does not depend on the data). Traffic adds up."""
-
-    collectives: int = 0
-    bytes: int = 0
-    collectives_worst: int = 0
-    bytes_worst: int = 0
-
-    def __add__(self, other: Traffic) -> Traffic:
-        return Traffic(self.collectives + other.collectives, self.bytes + other.bytes,
-                       self.collectives_worst + other.collectives_worst, self.bytes_worst + other.bytes_worst)
-
-
-def exact(collectives: int, nbytes: int) -> Traffic:
-    """Traffic that does not depend on the data."""
-    return Traffic(collectives, nbytes, collectives, nbytes)
-
-
-def maybe(t: Traffic) -> Traffic:
-    """``t`` in the worst case only: the typical case does without it."""
-    return Traffic(0, 0, t.collectives_worst, t.bytes_worst)
-
-
-def all_reduce_bytes(nbytes: int, ranks: int) -> int:
-    """Ring all-reduce of an ``nbytes`` tensor: ``2(n-1)/n·nbytes`` per rank."""
-    return round(2 * (ranks - 1) / ranks * nbytes)
-
-
-def all_reduce(nbytes: int, ranks: int) -> Traffic:
-    """One ring all-reduce of ``nbytes`` (none on one rank)."""
-    return exact(int(ranks > 1), all_reduce_bytes(nbytes, ranks))
-
-
-def all_gather(chunk_bytes: int, ranks: int) -> Traffic:
-    """One ring all-gather of ``chunk_bytes`` per rank: ``(n-1)·chunk`` received (none on one rank)."""
-    return exact(int(ranks > 1), (ranks - 1) * chunk_bytes)
-
-
 # ---------------------------------------------------------------------- quantities
 def shard_rows(vocab: int, ranks: int, scheme: str = "padded", pad_to: int = 64) -> int:
     """Rows stored by the largest shard, padding included: the weight rows per rank and the
@@ -152,7 +110,7 @@ def busiest_owner(tokens: int, ranks: int, skew: float | None = None) -> int:
 def embedding_exchange_bytes(mode: str, tokens: int, hidden: int, ranks: int, dtype_bytes: int,
                              *, owned: int | None = None) -> int:
     """Bytes a rank receives to assemble ``[tokens, hidden]`` embeddings, once per forward
-    (:func:`vocabpar.strategies.exchange_bytes`): ``all_reduce`` ``2(n-1)/n·T·H·b``;
+    (:func:`vocabpar.wire.strategies.exchange_bytes`): ``all_reduce`` ``2(n-1)/n·T·H·b``;
     ``owner_gather`` ``(n-1)·owned·H·b`` with ``owned`` the largest owner's count (default
     ``ceil(T/n)``); ``local`` nothing."""
     return round(exchange_bytes(mode, tokens, hidden * dtype_bytes, ranks, owned))
@@ -331,7 +289,7 @@ class Workload:
 @dataclass(frozen=True)
 class Design:
     """One engine's way through the vocabulary dimension: layout scheme, embedding exchange,
-    logits collection ``strategy`` (:data:`vocabpar.strategies.STRATEGIES`). ``single_device``:
+    logits collection ``strategy`` (:data:`vocabpar.wire.strategies.STRATEGIES`). ``single_device``:
     no TP at all (llama.cpp; input embedding on the host)."""
 
     name: str

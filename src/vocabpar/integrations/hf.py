@@ -36,9 +36,9 @@ from vocabpar.head import ParallelLMHead, select_rows
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling import SamplingParams, TokenCounts, reference_sample, sample
 from vocabpar.sampling.params import ROW_FIELDS
-from vocabpar.scoring import TokenLogprobs, token_logprobs
-from vocabpar.strategies import STRATEGIES
-from vocabpar.wire import SCORE_ROWS
+from vocabpar.sampling.scoring import TokenLogprobs, token_logprobs
+from vocabpar.wire.sampler import SCORE_ROWS
+from vocabpar.wire.strategies import STRATEGIES
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -177,7 +177,7 @@ def parallelize(model: nn.Module, *, group: comm.ProcessGroup = None, scheme: st
     """Replace ``model``'s input embedding and LM head (in place) by vocab-parallel modules over
     ``group`` laid out by ``scheme``, loading this rank's rows from the model's own weights.
 
-    ``strategy``: one of :data:`vocabpar.strategies.STRATEGIES` (``replicated`` needs
+    ``strategy``: one of :data:`vocabpar.wire.strategies.STRATEGIES` (``replicated`` needs
     ``scheme="replicated"``; ``none`` samples on sharded logits). ``exchange``: the embedding
     exchange. ``scatter``: how ``dp_gather_scatter`` returns rows (``all_to_all``, or SGLang's
     ``all_gather``; each rank then stands for one DP attention group holding a contiguous block

@@ -35,7 +35,7 @@ from vocabpar.integrations.hf import (
 )
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling import SamplingParams, reference_sample, sample, verify
-from vocabpar.strategies import STRATEGIES
+from vocabpar.wire.strategies import STRATEGIES
 
 DRAFT_SEED = 0x5DEECE66D  # xor'ed into a row's seed for its draft model's proposals
 

@@ -20,7 +20,7 @@ function of replicated parameters and of gathered data):
 4. Gumbel-max over the kept tokens: a threshold search draws its rows itself, in its settling
    all-gather; rows whose kept tokens are all candidates are drawn locally; the rest take one
    all-gather of each rank's best (score, id).
-5. logprobs (raw or processed): :func:`vocabpar.scoring.token_logprobs` of the chosen tokens,
+5. logprobs (raw or processed): :func:`vocabpar.sampling.scoring.token_logprobs` of the chosen tokens,
    one all-gather of per-shard (max, sum-exp, chosen logit, top-n) and one all-reduce of rank
    counts; each logprob is ``(x - M) - log(S)``, precise for huge logits.
 
@@ -57,6 +57,7 @@ from vocabpar.sampling.params import (
     on_device,
     to_device,
 )
+from vocabpar.sampling.scoring import token_logprobs
 from vocabpar.sampling.semantics import (
     NEG_INF,
     PAD_KEY,
@@ -76,8 +77,7 @@ from vocabpar.sampling.semantics import (
     top_p_target,
     with_logprobs,
 )
-from vocabpar.scoring import token_logprobs
-from vocabpar.wire import MAX_CANDIDATES, SEARCH_BITS, SETTLE_BITS, SETTLE_TOKENS, candidate_count
+from vocabpar.wire.sampler import MAX_CANDIDATES, SEARCH_BITS, SETTLE_BITS, SETTLE_TOKENS, candidate_count
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,7 @@ Hugging Face integration asks which rows each rank samples, and the demo compare
 send with what ``vocabpar.comm`` measured. Adding a strategy means an entry here, its run
 function and tests.
 
-Sizes follow ``vocabpar.comm``'s byte model: an all-gather receives ``(n-1)`` chunks padded to
-the largest, a ring all-reduce ``2(n-1)/n`` of the buffer. ``c`` is the widest shard
+Sizes follow the byte model of :mod:`vocabpar.wire.traffic`. ``c`` is the widest shard
 (:attr:`vocabpar.layout.VocabLayout.max_rows`): collected shards travel padded to it.
 """
 
@@ -16,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from vocabpar.wire.traffic import all_gather_bytes, all_reduce_bytes
 
 
 def _ceil(a: int, b: int) -> int:
@@ -105,12 +106,12 @@ def exchange_bytes(mode: str, tokens: int, row_bytes: int, ranks: int, owned: in
     all-gather of the owners' blocks padded to the largest owner's count ``owned`` (default an
     even share, ``ceil(T/n)``), ``(n-1)·owned·row``; ``local`` (a replicated table) nothing."""
     if mode == "all_reduce":
-        return 2 * (ranks - 1) / ranks * (tokens * row_bytes)
+        return all_reduce_bytes(tokens * row_bytes, ranks)
     if mode == "owner_gather":
         owned = _ceil(tokens, ranks) if owned is None else owned
         if not 0 <= owned <= tokens:
             raise ValueError(f"owned must be in [0, tokens={tokens}], got {owned}")
-        return (ranks - 1) * owned * row_bytes
+        return all_gather_bytes(owned * row_bytes, ranks)
     if mode == "local":
         return 0.0
     raise ValueError(f"unknown embedding exchange {mode!r}; expected one of {EMBEDDING_EXCHANGES}")

@@ -63,7 +63,7 @@ DRAW_WORDS = 2
 """The draw's all-gather: each rank's best (score, id)."""
 
 
-# Scoring on shards (see ``vocabpar.scoring.token_logprobs``), per scored row and rank.
+# Scoring on shards (see ``vocabpar.sampling.scoring.token_logprobs``), per scored row and rank.
 SCORE_ROWS = 256
 """Hidden rows whose logits one scoring call computes (``ParallelCausalLM.score``, prompt
 logprobs): no rank holds more than one ``[SCORE_ROWS, V/n]`` block of logits."""
