@@ -19,7 +19,7 @@ from vocabpar import (
     token_logprobs,
 )
 from vocabpar.launch import LaunchError, run
-from vocabpar.wire.sampler import AGREE_WIDTH
+from vocabpar.wire.records import AGREE_WIDTH
 
 V, H = 1000, 16
 

@@ -131,7 +131,8 @@ def test_bench_runs_each_script_and_reports_failures(tmp_path, capfd):
 
 def test_bench_writes_report_and_plots_the_demo_data(tmp_path, demo):
     from vocabpar.cli import main
-    from vocabpar.demo import DemoResult, Row, plot
+    from vocabpar.demo import DemoResult, Row
+    from vocabpar.plots import plot_demo
 
     (tmp_path / "bench_a.py").write_text("print('| a | 1 |')\n")
     out = tmp_path / "report.md"
@@ -142,6 +143,6 @@ def test_bench_writes_report_and_plots_the_demo_data(tmp_path, demo):
     rows = [Row(**{k: v for k, v in r.items() if k in fields}) for r in data["rows"]]
     result = DemoResult(**{k: data[k] for k in DemoResult.__dataclass_fields__ if k != "rows"}, rows=rows)
     for name in ("demo", "demo.png"):  # the path written comes back: ".png" added when missing
-        assert plot(result, str(tmp_path / name)) == str(tmp_path / "demo.png")
+        assert plot_demo(result, str(tmp_path / name)) == str(tmp_path / "demo.png")
     assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench_a.py", "demo.png", "report.md"]

@@ -189,7 +189,7 @@ def test_local_construction_errors():
         VocabParallelEmbedding(layout, 8, exchange="ring")
     with pytest.raises(ValueError, match="oob must be one of"):
         VocabParallelEmbedding(layout, 8, oob="clip")
-    with pytest.raises(ValueError, match="layout is for 2 ranks but the group has 1"):
+    with pytest.raises(ValueError, match="layout is for 2 ranks but the world group has 1"):
         VocabParallelEmbedding(VocabLayout(100, 2), 8)
     with pytest.raises(ValueError, match="dim must be a positive int"):
         VocabParallelEmbedding(layout, 0)

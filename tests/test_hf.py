@@ -91,7 +91,7 @@ def test_scaled_embeddings_are_rejected_not_silently_wrong():
 
 
 def test_invalid_pad_token_id_falls_back_to_a_valid_id():
-    from vocabpar.integrations.hf import pad_id
+    from vocabpar.integrations.decode import pad_id
 
     model = build_model("llama")
     model.config.pad_token_id, model.config.eos_token_id, model.config.bos_token_id = -1, 32001, None
@@ -143,7 +143,7 @@ def test_repetition_penalty_over_the_prompt_matches_transformers():
                                            ([[1], torch.tensor([2.0, 3.0])], 1), ([[1], [-1]], 1),
                                            ([[50257]], 0)])
 def test_prompts_with_non_integer_or_out_of_range_ids_are_rejected(prompts, index, gpt2):
-    from vocabpar.integrations.hf import left_pad
+    from vocabpar.integrations.decode import left_pad
 
     with pytest.raises(ValueError, match=f"prompt {index}"):
         left_pad(prompts, 0, 50257)

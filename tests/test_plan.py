@@ -8,6 +8,7 @@ import torch
 from vocabpar import VocabLayout
 from vocabpar import plan as P
 from vocabpar.cli import main
+from vocabpar.plots import png_path
 from vocabpar.presets import preset
 
 V, H = 129280, 5120  # DeepSeek-V4.1-Flash
@@ -284,10 +285,10 @@ def test_cli_plot_reports_the_file_written(name, written, tmp_path, capsys):
 
 
 def test_png_path():
-    assert (P.png_path("a"), P.png_path("d/a.png"), P.png_path("A.PNG")) == ("a.png", "d/a.png", "A.PNG")
+    assert (png_path("a"), png_path("d/a.png"), png_path("A.PNG")) == ("a.png", "d/a.png", "A.PNG")
     for bad in ("a.pdf", "", "d/", ".", "a."):
         with pytest.raises(ValueError, match="not a .png file name"):
-            P.png_path(bad)
+            png_path(bad)
 
 
 @pytest.mark.parametrize("argv", [["--plot", "."], ["--plot", "missing/out.png"]])

@@ -15,6 +15,7 @@ from vocabpar.sampling import TokenCounts
 from vocabpar.sampling.noise import gumbel, row_keys
 from vocabpar.sampling.reference import kept_tokens
 from vocabpar.sampling.semantics import penalise
+from vocabpar.wire.scripts import calls
 
 
 def _layouts(V: int, org: int, n: int) -> list[VocabLayout]:
@@ -227,18 +228,19 @@ def _sample_all(cases):
             junk = [float("nan"), 1e30, float("inf")][i]
             local = _shard(case["logits"], layout, comm.rank(), junk)
             comm.reset_traffic()
-            try:
-                res = sample(
-                    local,
-                    layout,
-                    case["params"],
-                    positions=case["positions"],
-                    token_counts=case.get("token_counts"),
-                    bitmask=case.get("bitmask"),
-                )
-            except ValueError as e:
-                res = f"ValueError: {e}"
-            out[case["name"], layout.scheme] = (res, comm.total_bytes())
+            with comm.recording() as sent:
+                try:
+                    res = sample(
+                        local,
+                        layout,
+                        case["params"],
+                        positions=case["positions"],
+                        token_counts=case.get("token_counts"),
+                        bitmask=case.get("bitmask"),
+                    )
+                except ValueError as e:
+                    res = f"ValueError: {e}"
+            out[case["name"], layout.scheme] = (res, comm.total_bytes(), sent)
     return out
 
 
@@ -265,9 +267,11 @@ def test_sharded_equals_reference(sharded, case):
     ref = _reference(case)
     for scheme in ("padded", "uneven", "replicated"):
         for rank, per_rank in enumerate(results):
-            got, (sent, _) = per_rank[case["name"], scheme]
+            got, (sent, _), measured = per_rank[case["name"], scheme]
             where = f"{case['name']} {scheme} rank {rank}/{n}"
             assert torch.equal(got.tokens, ref.tokens), f"{where}: {got.tokens} != {ref.tokens}"
+            # what crossed ranks is what the call's script prices, collective for collective
+            assert measured == calls(got.script, 1 if scheme == "replicated" else n), where
             if ref.logprob is not None:
                 assert torch.equal(got.top_ids, ref.top_ids), where
                 assert torch.equal(got.rank, ref.rank), where
@@ -305,7 +309,7 @@ def test_greedy_is_one_small_all_gather():
         ],
     )
     for per_rank in results:
-        got, (sent, _) = per_rank["g", "padded"]
+        got, (sent, _), _ = per_rank["g", "padded"]
         assert torch.equal(got.tokens, logits.argmax(1))
         assert sent == 3 * B * 16  # ring all-gather of (float64 value, int64 id) per row
 
@@ -690,12 +694,14 @@ def _count_collectives():
         for name, (family, params, _) in COLLECTIVE_COUNTS.items():
             local = _shard(families[family], layout, comm.rank(), 0.0)
             p = dataclasses.replace(params, seed=list(range(B)))
-            calls = {}
+            counts = {}
             for check in (False, True):
                 comm.reset_traffic()
-                tokens = sample(local, layout, p, positions=torch.arange(B), check=check).tokens
-                calls[check] = {k: c.calls for k, c in comm.traffic().items()}
-            out[scheme, name] = tokens, calls
+                with comm.recording() as measured:
+                    got = sample(local, layout, p, positions=torch.arange(B), check=check)
+                counts[check] = {k: c.calls for k, c in comm.traffic().items()}
+                assert measured == calls(got.script, comm.world_size()), (scheme, name, check)
+            out[scheme, name] = got.tokens, counts
     return out
 
 
@@ -709,8 +715,8 @@ def test_collectives_per_call_are_pinned_and_tokens_exact():
                                    positions=torch.arange(B)).tokens
             for name, (family, params, _) in COLLECTIVE_COUNTS.items()}
     for per_rank in run(_count_collectives, 4, timeout=120):
-        for (scheme, name), (tokens, calls) in per_rank.items():
+        for (scheme, name), (tokens, counts) in per_rank.items():
             expected = COLLECTIVE_COUNTS[name][2]
             assert torch.equal(tokens, refs[name]), (scheme, name)
-            assert sum(calls[False].values()) == expected, (scheme, name, calls[False])
-            assert calls[True].pop("agreement") == 1 and calls[True] == calls[False], (scheme, name)
+            assert sum(counts[False].values()) == expected, (scheme, name, counts[False])
+            assert counts[True].pop("agreement") == 1 and counts[True] == counts[False], (scheme, name)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import NoReturn
 
-from vocabpar import demo, plan
+from vocabpar import demo, plan, plots
 from vocabpar.layout import SCHEMES, VocabLayout
 from vocabpar.presets import DEFAULT_PRESET, PRESETS, preset
 
@@ -52,7 +52,7 @@ def _writable(text: str) -> str:
 def _png(text: str) -> str:
     """An argparse type: a writable ``.png`` path, ``.png`` appended to a name without extension."""
     try:
-        return _writable(plan.png_path(_writable(text)))
+        return _writable(plots.png_path(_writable(text)))
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -107,7 +107,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rec = plan.recommend(costs, None if args.headroom is None else args.headroom * plan.GiB)
     study = plan.study_figures() if plan.is_study_shape(w) else []
     if args.plot:
-        print(f"wrote {plan.plot(w, args.plot)}", file=sys.stderr)
+        print(f"wrote {plots.plot_plan(w, args.plot)}", file=sys.stderr)
     if args.json:
         print(json.dumps({"workload": asdict(w), "designs": [asdict(c) for c in costs],
                           "recommendation": asdict(rec),
@@ -256,7 +256,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.out:
         pathlib.Path(args.out).write_text("\n".join(report))
     if args.plot:
-        print(f"\nwrote {demo.plot(demo.run_demo(progress=False), args.plot)}")
+        print(f"\nwrote {plots.plot_demo(demo.run_demo(progress=False), args.plot)}")
     if failed:
         print(f"\nfailed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from vocabpar.hashing import fingerprint
-from vocabpar.wire.sampler import agreement_words
+from vocabpar.wire.records import agreement, agreement_words
 from vocabpar.wire.traffic import all_gather_bytes, all_reduce_bytes
 
 ProcessGroup = dist.ProcessGroup | None
@@ -68,6 +68,7 @@ _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 
 _counters: dict[str, Counter] = defaultdict(Counter)
 _booking: list[str] = []  # innermost ``booked_as`` label, overriding the collective's kind
+_recordings: list[list[tuple[str, int]]] = []  # open ``recording`` blocks
 
 
 @contextmanager
@@ -78,6 +79,18 @@ def booked_as(label: str) -> Iterator[None]:
         yield
     finally:
         _booking.pop()
+
+
+@contextmanager
+def recording() -> Iterator[list[tuple[str, int]]]:
+    """Yield a list that receives ``(kind, bytes received)`` for every collective this process
+    issues inside the block, in order (whatever label it is booked under)."""
+    calls: list[tuple[str, int]] = []
+    _recordings.append(calls)
+    try:
+        yield calls
+    finally:
+        _recordings.remove(calls)
 
 
 def traffic() -> dict[str, Counter]:
@@ -101,6 +114,8 @@ def _count(kind: str, sent: float, received: float) -> None:
     c.calls += 1
     c.sent += round(sent)
     c.received += round(received)
+    for calls in _recordings:
+        calls.append((kind, round(received)))
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -145,6 +160,15 @@ def global_rank(group: ProcessGroup, group_rank: int) -> int:
     if group is None or not dist.is_initialized():
         return group_rank
     return dist.get_global_rank(group, group_rank)
+
+
+def check_world(layout: object, group: ProcessGroup = None) -> None:
+    """Raise ``ValueError`` unless ``group`` has as many ranks as ``layout`` (anything with a
+    ``world_size``) was built for."""
+    n = world_size(group)
+    if layout.world_size != n:
+        raise ValueError(f"layout is for {layout.world_size} ranks but {describe_group(group)} has {n} "
+                         f"(rank {rank(group)}): build the layout with world_size={n}")
 
 
 def device(group: ProcessGroup = None) -> torch.device:
@@ -354,22 +378,23 @@ def agree(where: str, group: ProcessGroup, collect: Callable[[], Mapping[str, Fa
     width = agreement_words(checking, len(vary))
     if len(names) > width - 2:
         raise ValueError(f"{where}: at most {width - 2} facts can be compared, got {len(names)}")
-    dev = device(group)
-    words = [torch.tensor(int(problem is None)), torch.tensor(len(names))]
-    words += [_fact_word(facts[k]) for k in names]
-    words += [torch.tensor(0)] * (width - len(words))
+    record = agreement(width - 2)
+    words = [_fact_word(facts[k]) for k in names] + [torch.tensor(0)] * (width - 2 - len(names))
+    message = record.pack(valid=torch.tensor([int(problem is None)]), count=torch.tensor([len(names)]),
+                          facts=torch.stack(words)[None])
     with booked_as("all_gather" if vary else "agreement"):
-        table = all_gather(torch.stack([w.to(dev) for w in words]), group).tolist()  # one host sync
+        table = record.unpack(all_gather(message.to(device(group)), group)[:, 0].cpu())  # one host sync
     if problem is not None:
         raise problem
-    invalid = [r for r, row in enumerate(table) if not row[0]]
+    invalid = [r for r, valid in enumerate(table.valid.tolist()) if not valid]
     if invalid:
         raise ValueError(f"{where}: rank(s) {invalid} rejected their input (see their error); "
                          f"rank {rank(group)} stops too")
-    if len({row[1] for row in table}) > 1:
-        raise ConsistencyError(f"{where}: ranks compare different facts ({[row[1] for row in table]}); "
-                         f"is {CHECK_ENV} the same on every rank?")
-    column = {k: [row[2 + i] for row in table] for i, k in enumerate(names)}
+    counts = table.count.tolist()
+    if len(set(counts)) > 1:
+        raise ConsistencyError(f"{where}: ranks compare different facts ({counts}); "
+                               f"is {CHECK_ENV} the same on every rank?")
+    column = {k: table.facts[:, i].tolist() for i, k in enumerate(names)}
     problems = [_disagreement(k, facts[k], column[k]) for k in names if k not in vary
                 and len(set(column[k])) > 1]
     if problems:

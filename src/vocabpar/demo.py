@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from vocabpar import comm, launch, plan, rss
-from vocabpar.integrations.speculative import can_verify
+from vocabpar.integrations.decode import can_verify
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling import SamplingParams
 from vocabpar.wire.strategies import STRATEGIES
@@ -129,7 +129,7 @@ MODES: tuple[Mode, ...] = (Mode("greedy", lambda batch: None), Mode("sampled", s
 
 def hf_generate(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Greedy tokens of ``transformers``' own ``generate`` on the left-padded batch."""
-    from vocabpar.integrations.hf import left_pad, pad_id
+    from vocabpar.integrations.decode import left_pad, pad_id
 
     ids, mask = left_pad(prompts, pad_id(model.config))
     with torch.inference_mode():
@@ -425,32 +425,3 @@ def _mean(values: list[float]) -> float:
 def _say(enabled: bool, text: str) -> None:
     if enabled:
         print(text, file=sys.stderr, flush=True)
-
-
-def plot(result: DemoResult, path: str) -> str:
-    """Write a PNG of the demo's measurements: bytes received per rank per decode step (with the
-    planner's prediction) and milliseconds per step, one bar per design and mode. Returns the
-    path written (see ``vocabpar.plan.png_path``)."""
-    plan.png_path(path)  # a bad name fails before any work
-    plt = plan.pyplot()
-    labels = [f"{r.design} ({r.mode})" for r in result.rows]
-    where = list(range(len(labels)))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.4 * len(labels) + 1.5), sharey=True)
-    left.barh(where, [max(r.measured, 1) for r in result.rows], label="measured (vocabpar.comm)")
-    for i, r in enumerate(result.rows):
-        if r.measured == 0:  # log axis: a zero-byte design gets a label instead of a bar
-            left.text(1.2, i, "0 B: no collective", va="center", fontsize=8)
-    predicted = [(i, r) for i, r in enumerate(result.rows) if r.predicted_worst]
-    left.scatter([r.predicted for _, r in predicted], [i for i, _ in predicted], color="black", marker="|",
-                 s=200, label="planner (typical..worst)", zorder=3)
-    left.hlines([i for i, _ in predicted], [r.predicted for _, r in predicted],
-                [r.predicted_worst for _, r in predicted], color="black", zorder=3)
-    left.set(xscale="log", xlabel="bytes received per rank per decode step", yticks=where, yticklabels=labels)
-    left.legend(fontsize=8)
-    right.barh(where, [r.ms_per_step for r in result.rows], color="tab:orange")
-    right.set(xlabel="ms per decode step")
-    fig.suptitle(f"{result.model}: vocab {result.vocab}, {result.ranks} gloo ranks, batch {result.batch}")
-    for ax in (left, right):
-        ax.grid(True, axis="x", alpha=0.3)
-    fig.tight_layout()
-    return plan.save_png(fig, path)

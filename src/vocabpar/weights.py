@@ -65,10 +65,8 @@ class VocabShardedMatrix(nn.Module):
             raise ValueError(f"quantized tables are stored as one of {QUANT_DTYPES}, got {dtype}")
         if not quantized and not (dtype.is_floating_point):
             raise ValueError(f"unquantized tables need a floating dtype, got {dtype}")
-        n, me = comm.world_size(group), comm.rank(group)
-        if layout.world_size != n:
-            raise ValueError(f"layout is for {layout.world_size} ranks but the group has {n} "
-                             f"(rank {me})")
+        comm.check_world(layout, group)
+        me = comm.rank(group)
         self.layout, self.group, self.rank, self.dim = layout, group, me, dim
         self.shard = layout.shard(me)
         self.quantized = quantized

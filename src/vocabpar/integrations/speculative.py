@@ -23,28 +23,20 @@ from dataclasses import dataclass, replace
 import torch
 
 from vocabpar import comm
-from vocabpar.collect import compute_logits
-from vocabpar.integrations.hf import (
+from vocabpar.integrations.decode import (
     Generation,
     KVStream,
+    Step,
+    can_verify,
     checked_request,
     last_rows,
-    left_pad,
-    pad_id,
+    open_request,
     uses_penalties,
 )
-from vocabpar.layout import VocabLayout
-from vocabpar.sampling import SamplingParams, reference_sample, sample, verify
+from vocabpar.sampling import SamplingParams
 from vocabpar.wire.strategies import STRATEGIES
 
 DRAFT_SEED = 0x5DEECE66D  # xor'ed into a row's seed for its draft model's proposals
-
-
-def can_verify(strategy: str) -> bool:
-    """Whether speculative decoding runs with ``strategy``: on shards (:func:`verify`), or where
-    every rank ends with the full logits of every row (gather-then-verify)."""
-    s = STRATEGIES[strategy]
-    return s.on_shards or s.ids is None
 
 
 @dataclass(frozen=True)
@@ -78,8 +70,10 @@ def speculative_generate(lm, prompts: Sequence[Sequence[int]], params: SamplingP
     ``draft`` is a :class:`~vocabpar.integrations.hf.ParallelCausalLM` over the same layout and
     group, or a :class:`PromptLookup`. Returns a ``Generation`` whose steps after the prefill are
     verification steps (the draft model's traffic is booked as ``"draft"``), with
-    ``drafted``/``accepted`` counts."""
-    params = checked_request(params, max_new_tokens)
+    ``drafted``/``accepted`` counts. ``lm`` and ``draft`` are used only through their ``model``,
+    ``embedding``, ``layout``, ``strategy``, ``group`` and ``step`` (this module never imports
+    ``hf``)."""
+    params = checked_request(params, max_new_tokens)  # its error first; open_request checks it again
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"num_draft_tokens must be a positive int, got {k!r}")
     if not can_verify(lm.strategy):
@@ -99,20 +93,17 @@ def speculative_generate(lm, prompts: Sequence[Sequence[int]], params: SamplingP
     rows = params.resolve(B, V)
     if uses_penalties(params, B, V):
         raise ValueError("speculative decoding does not apply repetition, presence or frequency penalties")
-    ids, mask = left_pad(prompts, pad_id(lm.model.config), V)
-    device = next(lm.model.parameters()).device
-    ids, mask = ids.to(device), mask.to(device)
-    start_positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    req = open_request(lm.model, lm.embedding, V, prompts, params, max_new_tokens)
+    ids, mask, start_positions, device = req.ids, req.mask, req.position_ids, req.device
+    target, out, step = req.stream, req.out, lm.step
     context = [list(p) for p in prompts]
-    out = Generation([[] for _ in range(B)], [], [], [])
     greedy = bool(rows.greedy.all())
     draft_params = replace(params.take(B, V, torch.arange(B)), seed=rows.seed ^ DRAFT_SEED)
 
     with torch.inference_mode():
         before, began = comm.traffic(), time.perf_counter()
-        target = KVStream(lm.model.base_model, lm.embedding, B, device)
         states = target.feed(ids, start_positions, mask.bool())
-        first = _draw(lm, _logits(lm, last_rows(states)), params, _lengths(context, device))
+        first = step.draw(step.logits(last_rows(states)), params, req.positions)
         drafter = None
         if model_draft:
             drafter = KVStream(draft.model.base_model, draft.embedding, B, device)
@@ -128,7 +119,8 @@ def speculative_generate(lm, prompts: Sequence[Sequence[int]], params: SamplingP
             positions = _lengths(context, device)  # of the first draft token
             if model_draft:
                 with comm.booked_as("draft"):
-                    drafts, draft_logits = _propose(draft, drafter, unfed, positions, draft_params, k, greedy)
+                    drafts, draft_logits = _propose(draft.step, drafter, unfed, positions, draft_params, k,
+                                                    greedy)
             else:
                 drafts = torch.tensor([draft.propose(c, k) for c in context], dtype=torch.long, device=device)
                 draft_logits = None
@@ -136,8 +128,8 @@ def speculative_generate(lm, prompts: Sequence[Sequence[int]], params: SamplingP
             fed = torch.cat([last[:, None], drafts], 1)
             states = target.feed(fed, positions[:, None] - 1 + torch.arange(k + 1, device=device),
                                  torch.ones_like(fed, dtype=torch.bool))
-            logits = _logits(lm, states.reshape(B * (k + 1), -1))
-            result = _verify(lm, logits.view(B, k + 1, -1), params, drafts, positions, draft_logits)
+            logits = step.logits(states.reshape(B * (k + 1), -1))
+            result = step.verify(logits.view(B, k + 1, -1), params, drafts, positions, draft_logits)
             accepted = result.accepted
             # rejected drafts become holes: entry j of the target's is draft j (0 is the last token);
             # the draft model was fed drafts 1..k-1
@@ -161,29 +153,8 @@ def _lengths(context: list[list[int]], device: torch.device) -> torch.Tensor:
     return torch.tensor([len(c) for c in context], dtype=torch.long, device=device)
 
 
-def _logits(lm, hidden: torch.Tensor) -> torch.Tensor:
-    """FP32 logits of ``hidden`` rows: this rank's shard, or the full rows."""
-    result = compute_logits(lm.head, hidden, strategy=lm.strategy, group=lm.group)
-    return result.logits if STRATEGIES[lm.strategy].on_shards else result
-
-
-def _draw(lm, logits: torch.Tensor, params: SamplingParams, positions: torch.Tensor) -> torch.Tensor:
-    if STRATEGIES[lm.strategy].on_shards:
-        return sample(logits, lm.layout, params, positions=positions, group=lm.group).tokens
-    return reference_sample(logits, params, positions=positions).tokens
-
-
-def _verify(lm, logits, params, drafts, positions, draft_logits):
-    """On shards; or gather-then-verify: the full rows every rank holds, verified locally as a
-    replicated layout (no collective; the same tokens as ``reference_verify``)."""
-    layout, group = lm.layout, lm.group
-    if not STRATEGIES[lm.strategy].on_shards:
-        layout, group = VocabLayout(layout.vocab_size, layout.world_size, scheme="replicated"), None
-    return verify(logits, layout, params, drafts, positions=positions, draft_logits=draft_logits, group=group)
-
-
-def _propose(draft, stream: KVStream, unfed: list[list[int]], positions: torch.Tensor, params: SamplingParams,
-             k: int, greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _propose(step: Step, stream: KVStream, unfed: list[list[int]], positions: torch.Tensor,
+             params: SamplingParams, k: int, greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``k`` tokens per row from the draft model, and its logits at each (``None`` when every row
     is greedy: its drafts are then deterministic). The tokens it has not seen are fed first,
     right-aligned (a row with fewer has a hole in front)."""
@@ -198,10 +169,10 @@ def _propose(draft, stream: KVStream, unfed: list[list[int]], positions: torch.T
     states = stream.feed(ids, positions[:, None] - width + torch.arange(width, device=device), valid)
     tokens, logits = [], []
     for i in range(k):
-        step = _logits(draft, states[:, -1])
-        token = _draw(draft, step, params, positions + i)
+        row_logits = step.logits(states[:, -1])
+        token = step.draw(row_logits, params, positions + i)
         tokens.append(token)
-        logits.append(step)
+        logits.append(row_logits)
         if i + 1 < k:
             states = stream.feed(token[:, None], (positions + i)[:, None], torch.ones(B, 1, dtype=torch.bool,
                                                                                     device=device))

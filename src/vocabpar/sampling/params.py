@@ -264,6 +264,29 @@ def to_device(device: torch.device, positions: torch.Tensor, token_counts: Token
     return positions.to(device), counts, None if bitmask is None else bitmask.to(device)
 
 
+def check_sample_inputs(name: str, logits: torch.Tensor, columns: int | None, vocab_size: int | None,
+                        params: SamplingParams,
+                        positions: torch.Tensor | Sequence[int], token_counts: TokenCounts | None,
+                        bitmask: torch.Tensor | None, where: str = ""
+                        ) -> tuple[Rows, torch.Tensor, TokenCounts | None, torch.Tensor | None]:
+    """Validate one sampling call's inputs -- ``logits`` float32 ``[B, columns]`` (``name`` in
+    the error), the parameters, positions, token counts and bitmask of ``B`` rows over
+    ``vocab_size`` ids (``None`` for both: full rows of any width) -- and return the resolved
+    rows and the per-row inputs on the logits' device."""
+    if not isinstance(logits, torch.Tensor) or logits.dtype != torch.float32 or logits.dim() != 2 \
+            or columns not in (None, logits.shape[1]):
+        raise ValueError(f"{name} must be float32 [B, {'V' if columns is None else columns}]{where}, "
+                         f"got {describe(logits)}")
+    B, vocab_size = logits.shape[0], vocab_size or logits.shape[1]
+    rows = params.resolve(B, vocab_size)
+    pos = check_positions(positions, B)
+    if token_counts is not None:
+        token_counts.check(B, vocab_size)
+    if bitmask is not None:
+        check_bitmask(bitmask, B, vocab_size)
+    return rows, *to_device(logits.device, pos, token_counts, bitmask)
+
+
 def describe(t: object) -> str:
     """A value's dtype and shape (or type) for error messages."""
     return f"{getattr(t, 'dtype', type(t).__name__)}{tuple(getattr(t, 'shape', ()))}"

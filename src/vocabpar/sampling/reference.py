@@ -25,11 +25,10 @@ from vocabpar.sampling.params import (
     Rows,
     SamplingParams,
     TokenCounts,
-    check_bitmask,
     check_positions,
+    check_sample_inputs,
     check_verify_inputs,
     on_device,
-    to_device,
 )
 from vocabpar.sampling.semantics import (
     NEG_INF,
@@ -60,17 +59,10 @@ def reference_sample(full_logits: torch.Tensor, params: SamplingParams, *, posit
 
 
 def _reference_on_device(full_logits, params, positions, token_counts, bitmask) -> SampleOutput:
-    if full_logits.dtype != torch.float32 or full_logits.dim() != 2:
-        raise ValueError(f"logits must be float32 [B, V], got {full_logits.dtype}{tuple(full_logits.shape)}")
+    rows, positions, token_counts, bitmask = check_sample_inputs("logits", full_logits, None, None, params,
+                                                                 positions, token_counts, bitmask)
     B, V = full_logits.shape
-    rows = params.resolve(B, V)
-    positions = check_positions(positions, B)
     ids = torch.arange(V)
-    if token_counts is not None:
-        token_counts.check(B, V)
-    if bitmask is not None:
-        check_bitmask(bitmask, B, V)
-    positions, token_counts, bitmask = to_device(full_logits.device, positions, token_counts, bitmask)
     penalty = None if token_counts is None else (token_counts.ids.clamp(min=0), token_counts.ids >= 0,
                                                  token_counts)
     x = processed_logits(full_logits, ids, rows, penalty, bitmask)

@@ -4,12 +4,12 @@ A log-softmax over shards is a merge of per-shard (max, sum-exp) pairs; the scor
 lives on its owner; its rank needs one count per shard; the top-n merge per-shard candidates.
 Two collectives per call, whatever V:
 
-1. all-gather, per row: the shard's max (NaN when the row holds NaN or +inf), its
-   ``sum(exp(x - max))`` (float64), the scored token's logit where this rank owns it (-inf
-   elsewhere), and the shard's top-n (value, id) in descending order, lowest id first on ties:
-   ``(3 + 2·top_n)·8`` bytes per row and rank;
-2. all-reduce of one int64 per row: how many of the shard's tokens have a strictly larger logit
-   than the scored one.
+1. all-gather of :func:`vocabpar.wire.records.score`, per row: the shard's max (NaN when the
+   row holds NaN or +inf), its ``sum(exp(x - max))`` (float64), the scored token's logit where
+   this rank owns it (-inf elsewhere), and the shard's top-n (value, id) in descending order,
+   lowest id first on ties;
+2. all-reduce of :data:`vocabpar.wire.records.LARGER`, one int64 per row: how many of the
+   shard's tokens have a strictly larger logit than the scored one.
 
 Rows are processed locally in blocks of ``ROW_BLOCK`` so the float64 temporaries stay small.
 """
@@ -24,6 +24,7 @@ import torch
 from vocabpar import comm
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling.semantics import NEG_INF, rank_key
+from vocabpar.wire.records import LARGER, score
 
 ROW_BLOCK = 16  # rows per local block: float64 temporaries of 16 x V/n stay small (~4 MB at V/n = 32k)
 
@@ -62,8 +63,8 @@ def token_logprobs(local_logits: torch.Tensor, layout: VocabLayout, token_ids: t
     n = 1 if replicated else comm.world_size(group)
 
     def facts() -> dict[str, comm.Fact]:
-        if n != layout.world_size and not replicated:
-            raise ValueError(f"layout is for {layout.world_size} ranks but the group has {n}")
+        if not replicated:
+            comm.check_world(layout, group)
         width = layout.shard(me).rows
         if not isinstance(local_logits, torch.Tensor) or local_logits.dtype != torch.float32 \
                 or local_logits.dim() != 2 or local_logits.shape[1] != width:
@@ -91,23 +92,23 @@ def token_logprobs(local_logits: torch.Tensor, layout: VocabLayout, token_ids: t
     ids = layout.local_token_ids(me).to(local_logits.device)
     T = local_logits.shape[0]
     col, owned = layout.local_ids(token_ids, me)
+    record = score(top_n)
     stats = _local_stats(local_logits, ids, col.to(local_logits.device), owned.to(local_logits.device), top_n)
-    gathered = stats.unsqueeze(0) if n == 1 else comm.all_gather(stats, group)
-    f64 = gathered.view(torch.float64)
-    shard_max, shard_sum, chosen = f64[..., 0], f64[..., 1], f64[..., 2].max(0).values
+    got = record.unpack(stats.unsqueeze(0) if n == 1 else comm.all_gather(stats, group))  # each [n, T, ...]
+    shard_max, shard_sum, chosen = got.max, got.sum_exp, got.chosen.max(0).values
     bad = shard_max.isnan().any(0).nonzero().flatten().tolist()
     if bad:
         raise ValueError(f"cannot score: rows {bad} hold NaN or +inf logits")
     M = shard_max.max(0).values
     S = torch.zeros_like(M)
-    for r in range(gathered.shape[0]):  # fixed rank order: the same sum on every rank
+    for r in range(n):  # fixed rank order: the same sum on every rank
         S = S + torch.where(shard_max[r] == NEG_INF, 0.0, shard_sum[r] * torch.exp(shard_max[r] - M))
     log_s = torch.log(S)
-    larger = _count_larger(local_logits, ids, chosen)
-    larger = larger if n == 1 else comm.all_reduce(larger, group)
-    width = gathered.shape[0] * top_n  # ranks x candidates (T may be 0)
-    vals = f64[..., 3: 3 + top_n].permute(1, 0, 2).reshape(T, width)
-    cand = gathered[..., 3 + top_n:].permute(1, 0, 2).reshape(T, width)
+    larger = LARGER.pack(count=_count_larger(local_logits, ids, chosen))
+    larger = LARGER.unpack(larger if n == 1 else comm.all_reduce(larger, group)).count
+    width = n * top_n  # ranks x candidates (T may be 0)
+    vals = got.values.permute(1, 0, 2).reshape(T, width)
+    cand = got.ids.permute(1, 0, 2).reshape(T, width)
     top = rank_key(vals.float(), cand).topk(top_n, 1).indices
     return TokenLogprobs(((chosen - M) - log_s).float(), larger + 1, cand.gather(1, top),
                          ((vals.gather(1, top) - M[:, None]) - log_s[:, None]).float())
@@ -115,11 +116,13 @@ def token_logprobs(local_logits: torch.Tensor, layout: VocabLayout, token_ids: t
 
 def _local_stats(logits: torch.Tensor, ids: torch.Tensor, col: torch.Tensor, owned: torch.Tensor,
                  top_n: int) -> torch.Tensor:
-    """Per row, as int64 words: max (NaN if a NaN or +inf is present), sum of exp(x - max),
-    the owned scored logit (else -inf), top-n values (float64 bits) then their ids (-1 = none)."""
+    """This shard's :func:`~vocabpar.wire.records.score` record per row: max (NaN if a NaN or
+    +inf is present), sum of exp(x - max), the owned scored logit (else -inf), top-n values then
+    their ids (-1 = none). ``logits``: ``[T, columns]``; ``ids``: ``[columns]``; ``col``,
+    ``owned``: ``[T]``."""
     T, R = logits.shape
-    out = torch.empty(T, 3 + 2 * top_n, dtype=torch.long, device=logits.device)
-    f64 = out.view(torch.float64)
+    f64 = torch.empty(T, 3 + top_n, dtype=torch.float64, device=logits.device)
+    top_ids = torch.full((T, top_n), -1, dtype=torch.long, device=logits.device)
     real = ids >= 0
     for start in range(0, T, ROW_BLOCK):
         rows = slice(start, min(start + ROW_BLOCK, T))
@@ -135,13 +138,13 @@ def _local_stats(logits: torch.Tensor, ids: torch.Tensor, col: torch.Tensor, own
         else:
             f64[rows, 2] = NEG_INF
         m = min(top_n, R)
-        f64[rows, 3: 3 + top_n] = NEG_INF
-        out[rows, 3 + top_n:] = -1
+        f64[rows, 3:] = NEG_INF
         if m:
             best = rank_key(x, ids).topk(m, 1).indices
             f64[rows, 3: 3 + m] = x.gather(1, best).double()
-            out[rows, 3 + top_n: 3 + top_n + m] = ids[best]
-    return out
+            top_ids[rows, :m] = ids[best]
+    return score(top_n).pack(max=f64[:, 0], sum_exp=f64[:, 1], chosen=f64[:, 2], values=f64[:, 3:],
+                             ids=top_ids)
 
 
 def _count_larger(logits: torch.Tensor, ids: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

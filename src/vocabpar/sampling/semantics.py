@@ -19,6 +19,7 @@ import torch
 
 from vocabpar.sampling.noise import gumbel, row_keys, uniform
 from vocabpar.sampling.params import Rows, TokenCounts
+from vocabpar.wire.scripts import Script
 
 NEG_INF = float("-inf")
 PAD_KEY = -(2**31)  # below the key of -inf: padding sorts after every real token
@@ -31,13 +32,15 @@ class SampleOutput:
     logit), and the top-n ids / logprobs (``[B, n]``, n the largest count asked, sorted by value,
     ties by lowest id), from the log-softmax of the raw or processed logits (``logprobs_of``).
     Rows that asked fewer have id -1 and logprob NaN past their count; rows that asked none have
-    NaN / rank -1 too."""
+    NaN / rank -1 too. ``script``: the collectives the call made, in order
+    (:func:`vocabpar.wire.scripts.price` gives their bytes; empty from the reference)."""
 
     tokens: torch.Tensor
     logprob: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
     rank: torch.Tensor | None = None
+    script: Script = ()
 
     def top(self, row: int) -> list[tuple[int, float]]:
         """Row ``row``'s top list as (id, logprob) pairs, as long as the row asked."""
@@ -48,10 +51,12 @@ class SampleOutput:
 @dataclass(frozen=True)
 class VerifyOutput:
     """``accepted`` (int64 ``[B]``, 0..k): how many leading drafts each row kept; ``tokens`` (int64
-    ``[B, k+1]``): those drafts, then the correction or the bonus token, then -1."""
+    ``[B, k+1]``): those drafts, then the correction or the bonus token, then -1. ``script``:
+    the collectives the call made, in order (empty from the reference)."""
 
     accepted: torch.Tensor
     tokens: torch.Tensor
+    script: Script = ()
 
     def emitted(self, row: int) -> list[int]:
         """The tokens row ``row`` emits this step (``accepted + 1`` of them)."""

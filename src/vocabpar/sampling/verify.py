@@ -30,11 +30,14 @@ mass) and, when some such row rejected a draft, one all-gather of each rank's be
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from vocabpar import comm
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling.params import Rows, SamplingParams, check_positions, check_verify_inputs, on_device
+from vocabpar.sampling.ranks import Ranks, agreed, group_ranks, params_fact
 from vocabpar.sampling.semantics import (
     NEG_INF,
     VerifyOutput,
@@ -44,7 +47,9 @@ from vocabpar.sampling.semantics import (
     residual_scores,
     row_argmax,
 )
-from vocabpar.sampling.sharded import Choice, Ranks, agreed, choose, group_ranks, params_fact
+from vocabpar.sampling.sharded import Choice, choose
+from vocabpar.wire.records import DRAW, MASSES
+from vocabpar.wire.scripts import VerifyPath, verify_script
 
 MASS_BLOCK = 2**22  # logits per block of the acceptance masses: bounds the float64 temporaries
 
@@ -82,7 +87,7 @@ def _verify_on_device(target_logits, layout, params, draft_tokens, positions, dr
                 "draft logits": "given" if draft_logits is not None else "none",
                 "filter_order": rows.filter_order, "sampling parameters": params_fact(rows), "positions": pos}
 
-    agreed("verify", layout, group, facts, check)
+    checked = agreed("verify", layout, group, facts, check)
     ranks, B, k, pos, batch_rows = inputs[0]
     drafts = draft_tokens.to(pos.device)
     # the stacked rows: the target's B·(k+1) (row b, position i at b·(k+1) + i), then the draft's
@@ -110,12 +115,13 @@ def _verify_on_device(target_logits, layout, params, draft_tokens, positions, dr
     weighed = torch.zeros(B, k, dtype=torch.bool)
     if drafted.numel():
         weighed = choice.sampled[:targets].view(B, k + 1)[:, :k]
-    masses = None
+    masses, path = None, VerifyPath(replace(choice.path, checked=checked))
     if bool(weighed.any()):
         slot = torch.full((B,), -1, dtype=torch.long)
         slot[drafted] = torch.arange(drafted.numel())
         masses = _Masses(choice, layout, ranks, drafts, pos, weighed, k, slot)
         accept = torch.where(weighed, masses.accept, accept)
+        path = replace(path, weighed=masses.b.numel())
     accepted = accept.long().cumprod(1).sum(1)
     tokens = torch.full((B, k + 1), -1, dtype=torch.long)
     keep = torch.arange(k + 1) < accepted[:, None]
@@ -123,8 +129,9 @@ def _verify_on_device(target_logits, layout, params, draft_tokens, positions, dr
     last = drawn.gather(1, accepted[:, None])[:, 0]
     if masses is not None:
         last = masses.correct(last, accepted)
+        path = replace(path, rejected=masses.rejected)
     tokens.scatter_(1, accepted[:, None], last[:, None])
-    return VerifyOutput(accepted, tokens)
+    return VerifyOutput(accepted, tokens, verify_script(path))
 
 
 class _Masses:
@@ -137,19 +144,21 @@ class _Masses:
         self.choice, self.ranks, self.pos, self.k, self.slot = choice, ranks, pos, k, slot
         b, i = weighed.nonzero(as_tuple=True)
         cols, owned = layout.local_ids(drafts[b, i], ranks.me)
-        local = torch.zeros(b.numel(), 4, dtype=torch.long)
+        local = torch.zeros(4, b.numel(), dtype=torch.long)  # target total, token; draft total, token
         block = max(1, MASS_BLOCK // max(ranks.ids.numel(), 1))
         for start in range(0, b.numel(), block):
             s = slice(start, start + block)
             for side, first in enumerate(self._rows(b[s], i[s])):
                 m = choice.step.kept_mass(first, choice.thr)
-                local[s, 2 * side] = m.sum(1)
-                local[s, 2 * side + 1] = torch.where(owned[s], m.gather(1, cols[s, None])[:, 0], 0)
-        total = ranks.sum(local)
+                local[2 * side, s] = m.sum(1)
+                local[2 * side + 1, s] = torch.where(owned[s], m.gather(1, cols[s, None])[:, 0], 0)
+        total = MASSES.unpack(ranks.sum(MASSES.pack(target_total=local[0], target_token=local[1],
+                                                    draft_total=local[2], draft_token=local[3])))
         u = accept_uniform(choice.step.rows.seed[b * (k + 1)], pos[b] + i)
         self.accept = torch.zeros(B, k, dtype=torch.bool)
-        self.accept[b, i] = accepts(u, total[:, 1], total[:, 0], total[:, 3], total[:, 2])
-        self.weighed, self.total, self.b, self.i = weighed, total, b, i
+        self.accept[b, i] = accepts(u, total.target_token, total.target_total, total.draft_token,
+                                    total.draft_total)
+        self.weighed, self.total, self.b, self.i, self.rejected = weighed, total, b, i, 0
 
     def _rows(self, b: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stacked indices of the target's and the draft's rows at (b, i)."""
@@ -169,13 +178,14 @@ class _Masses:
         f = torch.searchsorted(self.b * k + self.i, b * k + j)  # the weighed entry of (b, j)
         target, draft = self._rows(b, j)
         step, ids = self.choice.step, self.ranks.ids
-        scores = residual_scores(step.kept_mass(target, self.choice.thr), self.total[f, 0],
-                                 step.kept_mass(draft, self.choice.thr), self.total[f, 2],
+        scores = residual_scores(step.kept_mass(target, self.choice.thr), self.total.target_total[f],
+                                 step.kept_mass(draft, self.choice.thr), self.total.draft_total[f],
                                  step.rows.seed[target], self.pos[b] + j, ids)
         r, col = (scores > NEG_INF).nonzero(as_tuple=True)
         best, arg = row_argmax(r, ids[col], scores[r, col], b.numel())
-        g = self.ranks.gather(torch.stack([best.contiguous().view(torch.long), arg], 1))
-        score, token = merge_argmax(g[..., 0].contiguous().view(torch.float64), g[..., 1])
+        got = DRAW.unpack(self.ranks.gather(DRAW.pack(score=best, id=arg)))
+        score, token = merge_argmax(got.score, got.id)
+        self.rejected = b.numel()
         last = last.clone()
         last[b] = torch.where(score > NEG_INF, token, last[b])
         return last

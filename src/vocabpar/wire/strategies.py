@@ -7,8 +7,11 @@ Hugging Face integration asks which rows each rank samples, and the demo compare
 send with what ``vocabpar.comm`` measured. Adding a strategy means an entry here, its run
 function and tests.
 
-Sizes follow the byte model of :mod:`vocabpar.wire.traffic`. ``c`` is the widest shard
-(:attr:`vocabpar.layout.VocabLayout.max_rows`): collected shards travel padded to it.
+Sizes follow the byte model of :mod:`vocabpar.wire.traffic`: what the busiest rank receives to
+collect logits, to gather DP hidden rows, to sample greedily on shards and to exchange
+embeddings, and its peak logits memory, are stated here as its ring formulas, and the planner
+only calls them. ``c`` is the widest shard (:attr:`vocabpar.layout.VocabLayout.max_rows`):
+collected shards travel padded to it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vocabpar.wire.traffic import all_gather_bytes, all_reduce_bytes
+from vocabpar.wire.records import agreement_words
+from vocabpar.wire.traffic import WORD, all_gather_bytes, all_reduce_bytes
+
+GREEDY_PAIR_BYTES = 8 + 8  # float64 value (the sampler ranks in float64) + int64 global id per row
 
 
 def _ceil(a: int, b: int) -> int:
@@ -94,6 +100,43 @@ def strategy(name: str) -> Strategy:
         return STRATEGIES[name]
     except (KeyError, TypeError):
         raise ValueError(f"unknown strategy {name!r}; expected one of {sorted(STRATEGIES)}") from None
+
+
+# ---------------------------------------------------------------------- sizes on the busiest rank
+def collection_bytes(name: str, rows: int, shard: int, ranks: int, elem_bytes: int) -> int:
+    """Bytes the busiest rank receives to collect ``[rows, shard]`` logits shards with strategy
+    ``name``, per step: ``(n-1)·g·c·b`` with ``c`` the largest shard and ``g`` the strategy's
+    gathered rows (``all_gather``, ``gather`` on the destination, ``dp_gather_scatter``: ``B``;
+    ``all_to_all``: ``ceil(B/n)``; ``none``, ``replicated``: 0), i.e. a ring all-gather of
+    ``[g, c]`` chunks. Sampled ids sent back are not counted."""
+    return round(all_gather_bytes(strategy(name).gathered_rows(rows, ranks) * shard * elem_bytes, ranks))
+
+
+def collection_peak_bytes(name: str, rows: int, shard: int, vocab: int, ranks: int, elem_bytes: int,
+                          dp: int = 1) -> int:
+    """Peak logits memory on the busiest rank: the local logits it computes (``[B, c]``; a
+    replicated head ``[ceil(B/dp), V]``) plus what strategy ``name`` collects -- its gathered
+    rows of every shard, ``[g, n·c]``, and full rows kept apart (``dp_gather_scatter``:
+    ``[ceil(B/dp), V]``). One rank collects nothing."""
+    s = strategy(name)
+    collected = (s.gathered_rows(rows, ranks) * ranks * shard + s.kept_rows(rows, dp) * vocab) * elem_bytes
+    return s.local_rows(rows, dp) * shard * elem_bytes + (collected if ranks > 1 else 0)
+
+
+def hidden_gather_bytes(rows: int, dp: int, row_bytes: int, checked: bool = False) -> int:
+    """DP attention feeding a sharded head (a strategy's ``"own"`` inputs): an all-gather of the
+    row counts (so ranks may bring different numbers of rows; a 3-word record per DP rank, or the
+    whole 32-word agreement record when the per-call checks are on), then of each DP group's
+    ``ceil(B/dp)`` hidden rows of ``row_bytes``: ``(dp-1)·(8·w + ceil(B/dp)·row)``; zero when
+    attention is tensor-parallel (``dp=1``)."""
+    return round(all_gather_bytes(WORD * agreement_words(checked, 1), dp)
+                 + all_gather_bytes(_ceil(rows, dp) * row_bytes, dp))
+
+
+def greedy_bytes(rows: int, ranks: int) -> int:
+    """Greedy on sharded logits: all-gather of one (float64 value, int64 id) pair per row,
+    ``(n-1)·B·16`` received per rank -- independent of the vocabulary."""
+    return round(all_gather_bytes(rows * GREEDY_PAIR_BYTES, ranks))
 
 
 # ---------------------------------------------------------------------- embedding exchanges

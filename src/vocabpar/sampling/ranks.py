@@ -1,0 +1,59 @@
+"""This rank's view of its group, decided once per call: how many ranks share the logits, which
+ids its columns hold, and the agreement every entry point runs before its first collective."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vocabpar import comm
+from vocabpar.layout import VocabLayout
+from vocabpar.sampling.params import ROW_FIELDS, Rows
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This rank's view of the group; ``n == 1`` (no collective) for a replicated layout."""
+
+    group: comm.ProcessGroup
+    me: int  # rank used for layout lookups
+    n: int
+    ids: torch.Tensor  # int64 [columns]: global id of each local column, -1 = padding
+    real_counts: tuple[int, ...]  # real columns on each rank
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` of every rank stacked on a new leading dim (``[1, ...]`` on one rank)."""
+        return t.unsqueeze(0) if self.n == 1 else comm.all_gather(t, self.group)
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.n == 1 else comm.all_reduce(t, self.group)
+
+
+def group_ranks(layout: VocabLayout, group: comm.ProcessGroup) -> Ranks:
+    """This rank's view of ``group`` for ``layout``; raises if the group does not fit it."""
+    if layout.scheme == "replicated":
+        return Ranks(group, 0, 1, layout.local_token_ids(0), (layout.vocab_size,))
+    comm.check_world(layout, group)
+    me = comm.rank(group)
+    counts = tuple(s.num_org + s.num_added for s in layout.shards)
+    return Ranks(group, me, layout.world_size, layout.local_token_ids(me), counts)
+
+
+def agreed(where: str, layout: VocabLayout, group: comm.ProcessGroup,
+           facts: Callable[[], dict[str, comm.Fact]], check: bool | None) -> bool:
+    """Run ``facts`` (it validates this rank's input and returns what must be replicated) and,
+    when a collective follows (sharded logits, several ranks), agree on them across the group.
+    Returns whether the agreement exchange ran."""
+    if layout.scheme == "replicated" or comm.world_size(group) == 1:
+        facts()
+        return False
+    comm.agree(where, group, facts, check=check)
+    return comm.checks_enabled(check)
+
+
+def params_fact(rows: Rows) -> torch.Tensor:
+    """The per-row sampling parameters as one int64 tensor, for the agreement check."""
+    return torch.cat([getattr(rows, name).double().view(torch.long) if dtype.is_floating_point
+                      else getattr(rows, name) for name, dtype in ROW_FIELDS.items()])

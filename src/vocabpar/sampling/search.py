@@ -1,0 +1,205 @@
+"""The exact threshold search on vocab shards: per row, the largest key ``v`` whose weight at or
+above it reaches a target, over all ranks, in at most two histogram all-reduces and one
+settling all-gather (plus one round when a final bucket holds many ties).
+
+Keys are unsigned order keys of float32 values in ``[0, 2**32)`` (-1: not a token); weights are
+1 (top-k) or exact integer masses (top-p), so every rank finds the same ``v``. The messages are
+:data:`vocabpar.wire.records.HISTOGRAM` and :func:`vocabpar.wire.records.settle`; what a search
+sends is :class:`vocabpar.wire.scripts.Search`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vocabpar.sampling.noise import gumbel, gumbel_bound, gumbel_bucket
+from vocabpar.sampling.ranks import Ranks
+from vocabpar.sampling.semantics import NEG_INF, key_value, merge_argmax, order_key, row_argmax
+from vocabpar.wire.records import HISTOGRAM, SEARCH_BITS, SETTLE_BITS, SETTLE_TOKENS, settle
+from vocabpar.wire.scripts import Search
+
+
+def shard_keys(x: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Unsigned order keys in [0, 2**32) of this shard's tokens (-1 for padding columns).
+    ``x``: float32 ``[F, columns]``; ``real``: bool ``[columns]``."""
+    return torch.where(real, order_key(x) + 2**31, -1)
+
+
+def value_key(values: torch.Tensor) -> torch.Tensor:
+    """The unsigned order key of float values (rounded to float32, clamped to the finite-or-inf
+    range of keys)."""
+    return order_key(values.float()) + 2**31
+
+
+def bit_length(x: torch.Tensor) -> torch.Tensor:
+    """Bits needed for each non-negative int64 below 2**53 (0 for 0)."""
+    return torch.frexp(x.double()).exponent.long()
+
+
+def contenders(x: torch.Tensor, ids: torch.Tensor, thr: torch.Tensor, temperature: torch.Tensor,
+               min_z: torch.Tensor, floor_score: torch.Tensor,
+               keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row, column, z) of this shard's kept tokens (``x >= thr``, ``z = x / temperature >=
+    min_z``) that can still beat ``floor_score``: a token whose noise bound (16 hashed bits,
+    :func:`gumbel_bound`) cannot reach it is dropped before its exact noise is computed. Never
+    drops a possible winner (the bound is conservative). ``x``: ``[F, columns]``; ``ids``:
+    ``[columns]``; the rest ``[F]``."""
+    z = x.double() / temperature[:, None]
+    r, col = ((ids >= 0) & (x >= thr[:, None]) & (z >= min_z[:, None])).nonzero(as_tuple=True)
+    z = z[r, col]
+    reach = z + gumbel_bound().to(z.device)[gumbel_bucket(keys[r], ids[col])] >= floor_score[r]
+    return r[reach], col[reach], z[reach]
+
+
+@dataclass(frozen=True)
+class Draw:
+    """What a threshold search needs to draw the token of rows whose kept set is ``key >= v``
+    and ``z >= min_z`` (``v`` the threshold it finds): their logits ``x`` ``[F, columns]``, the
+    columns' ``ids``, temperature, min-p bound and noise keys per row ``[F]``, and the merged
+    candidates ``[F, n·c]`` (values, ids, float64 z)."""
+
+    x: torch.Tensor
+    ids: torch.Tensor
+    temperature: torch.Tensor
+    min_z: torch.Tensor
+    keys: torch.Tensor
+    cand: torch.Tensor
+    cand_id: torch.Tensor
+    cand_z: torch.Tensor
+
+    def certain_best(self, top_key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This shard's best (score, id) per row among the kept tokens with key >= ``top_key``
+        (all kept whatever the threshold within the bucket below). The certainly kept candidates
+        give a lower bound on it, so the noise bound prunes most tokens first."""
+        F = top_key.shape[0]
+        top_value = key_value(top_key.clamp(max=2**32 - 1) - 2**31).double()
+        thr = torch.where(top_key < 2**32, top_value, float("inf"))
+        sure = (self.cand_id >= 0) & (self.cand >= thr[:, None]) & (self.cand_z >= self.min_z[:, None])
+        b, j = sure.nonzero(as_tuple=True)
+        sure_ids = self.cand_id[b, j]
+        floor, _ = row_argmax(b, sure_ids, self.cand_z[b, j] + gumbel(self.keys[b], sure_ids), F)
+        r, col, z = contenders(self.x, self.ids, thr, self.temperature, self.min_z, floor, self.keys)
+        return row_argmax(r, self.ids[col], z + gumbel(self.keys[r], self.ids[col]), F)
+
+    def score(self, r: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+        """``z + G`` of the listed tokens, -inf where min-p drops them."""
+        z = self.x[r, col].double() / self.temperature[r]
+        return torch.where(z >= self.min_z[r], z + gumbel(self.keys[r], self.ids[col]), NEG_INF)
+
+
+def threshold_search(u: torch.Tensor, weight: torch.Tensor | None, need: torch.Tensor | Callable,
+                     lo: torch.Tensor, hi: torch.Tensor, ranks: Ranks,
+                     draw: Draw | None = None) -> tuple[torch.Tensor, torch.Tensor, Search]:
+    """Per row, the largest key ``v`` with ``sum(weight[u >= v]) >= need`` over all ranks, given
+    ``lo <= v <= hi`` (``u``: this shard's keys ``[F, columns]``, -1 = not a token; weight 1 when
+    None). ``need`` may be a function of the rows' total weight, which the first round then
+    measures. With ``draw``, also the token drawn from ``key >= v`` and ``z >= min_z``. Returns
+    ``(v, token, search)``: token -1 where not drawn, ``search`` what was sent.
+
+    The keys ``lo`` and ``hi`` share their top bits: the search starts in that bucket. Each round
+    all-reduces a histogram of ``2**SEARCH_BITS`` weights per row (plus the weight above the
+    bucket) and keeps the digit holding ``v``, until a bucket spans at most ``2**SETTLE_BITS``
+    keys: at most ``ceil(22 / SEARCH_BITS) = 2`` rounds. Then one all-gather settles it: each rank
+    sends the ``SETTLE_TOKENS`` largest keys of the bucket with their weights -- and, to draw, their
+    scores and its best score above the bucket. A row whose bucket holds more on some rank takes
+    one more round of ``2**SETTLE_BITS`` sums (and is not drawn). Only the bucket's tokens are
+    carried from round to round."""
+    F = u.shape[0]
+    w = torch.where(u >= 0, 1 if weight is None else weight, 0)
+    shift = bit_length(lo ^ hi)
+    prefix = hi >> shift
+    bits = (shift - SETTLE_BITS).clamp(0, SEARCH_BITS)
+    above, total, rounds = torch.zeros(F, dtype=torch.long), None, 0
+    # rounds run on the tokens of the bucket and above only; when some row's bucket is the whole
+    # key range, the first round runs on the shard in place instead of copying it out
+    if bool((shift < 32).all()):  # host syncs here and below: branches every rank takes alike
+        r, col = ((u >= (prefix << shift)[:, None]) & (w > 0)).nonzero(as_tuple=True)
+    else:
+        shift, prefix, above, total, need, keep = _histogram_round(u, w, torch.arange(F)[:, None], bits,
+                                                                   shift, prefix, above, total, need, ranks)
+        rounds += 1
+        r, col = (keep & (w > 0)).nonzero(as_tuple=True)
+    key, wt = u[r, col], w[r, col]
+    while True:
+        bits = (shift - SETTLE_BITS).clamp(0, SEARCH_BITS)
+        if (total is not None or not callable(need)) and not bool((bits > 0).any()):
+            break
+        shift, prefix, above, total, need, keep = _histogram_round(key, wt, r, bits, shift, prefix, above,
+                                                                   total, need, ranks)
+        rounds += 1
+        r, col, key, wt = r[keep], col[keep], key[keep], wt[keep]
+    v, token, overflow = _settle(key, wt, r, col, shift, prefix, above, need, ranks, draw)
+    ties = bool(overflow.any())  # a host sync that saves a collective for every other row
+    if ties:
+        mine = overflow[r]
+        _, exact, *_ = _histogram_round(key[mine], wt[mine], r[mine], torch.where(overflow, shift, 0), shift,
+                                        prefix, above, total, need, ranks)
+        v, token = torch.where(overflow, exact, v), torch.where(overflow, -1, token)
+    return v, token, Search(F, rounds, draw is not None, ties)
+
+
+def _settle(key, wt, r, col, shift, prefix, above, need, ranks: Ranks, draw: Draw | None):
+    """The settling all-gather: each rank's ``SETTLE_TOKENS`` largest keys of its final bucket
+    (``key``, ``wt``, ``r``, ``col``: the bucket's tokens, by row ``r``), merged into ``v`` per
+    row; with ``draw`` also the token. Returns ``(v, token, overflow)``, ``overflow`` the rows
+    whose bucket held more on some rank (their ``v`` is not final)."""
+    F = prefix.shape[0]
+    count = torch.bincount(r, minlength=F)
+    order = torch.argsort(r * 2**33 + (2**32 - 1 - key))  # by row, then key descending
+    r, col, key, wt = r[order], col[order], key[order], wt[order]
+    slot = torch.arange(r.numel()) - (count.cumsum(0) - count)[r]
+    sent = slot < SETTLE_TOKENS
+    at = (r[sent], slot[sent])
+
+    def table(values: torch.Tensor, pad: float) -> torch.Tensor:
+        out = torch.full((F, SETTLE_TOKENS), pad, dtype=values.dtype)
+        out[at] = values[sent]
+        return out
+
+    parts = {"count": count, "keys": table(key, -1), "weights": table(wt, 0)}
+    if draw is not None:
+        best, best_id = draw.certain_best((prefix + 1) << shift)
+        parts |= {"ids": table(draw.ids[col], -1), "scores": table(draw.score(r, col), NEG_INF),
+                  "best": best, "best_id": best_id}
+    record = settle(draw is not None)
+    got = record.unpack(ranks.gather(record.pack(**parts)))  # each [n, F, ...]
+    merged = lambda t: t.permute(1, 0, 2).reshape(F, -1)  # noqa: E731  [F, n·SETTLE_TOKENS]
+    ordered, by_key = merged(got.keys).sort(1, descending=True)
+    reached = above[:, None] + merged(got.weights).gather(1, by_key).cumsum(1) >= need[:, None]
+    v = ordered.gather(1, (~reached).sum(1).clamp(max=ordered.shape[1] - 1)[:, None])[:, 0]
+    token = torch.full((F,), -1, dtype=torch.long)
+    if draw is not None:  # the best of: every rank's best above the bucket, the bucket's kept tokens
+        kept = merged(got.keys) >= v[:, None]
+        scores = torch.cat([got.best.T, merged(got.scores)], 1)
+        ids = torch.cat([got.best_id.T, torch.where(kept, merged(got.ids), -1)], 1)
+        _, token = merge_argmax(scores.T, ids.T)
+    return v, token, (got.count > SETTLE_TOKENS).any(0)
+
+
+def _histogram_round(key, wt, r, bits, shift, prefix, above, total, need, ranks: Ranks):
+    """One all-reduce: per row, the weights of the ``2**bits`` digits below the bucket's prefix
+    (and, in the first round, of everything above the bucket); keep the digit holding the
+    threshold. Returns the narrowed (shift, prefix, above), the total and ``need`` once known, and
+    which tokens stay in the bucket."""
+    F = prefix.shape[0]
+    rs, rb = shift[r], bits[r]
+    high = key >> rs
+    inside = high == prefix[r]
+    top = 1 << SEARCH_BITS  # the "above" column of the record; below the bucket weighs nothing
+    digit = torch.where(inside, (key >> (rs - rb)) & ((1 << rb) - 1), top)
+    weight = torch.where(inside | (high > prefix[r]), wt, 0)
+    words = HISTOGRAM.words()
+    hist = torch.zeros(F * words, dtype=torch.long).index_add_(0, (r * words + digit).reshape(-1),
+                                                               weight.reshape(-1))
+    got = HISTOGRAM.unpack(ranks.sum(hist.view(F, words)))
+    if total is None:
+        total, above = got.digits.sum(1) + got.above, got.above
+        need = need(total) if callable(need) else need
+    suffix = got.digits.flip(1).cumsum(1).flip(1)  # suffix[d] = weight of digits >= d
+    d = ((above[:, None] + suffix) >= need[:, None]).sum(1).clamp(min=1) - 1
+    above = above + torch.where(d + 1 < top, suffix.gather(1, (d + 1).clamp(max=top - 1)[:, None])[:, 0], 0)
+    keep = inside & (digit == d[r])
+    return shift - bits, (prefix << bits) | d, above, total, need, keep

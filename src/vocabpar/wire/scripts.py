@@ -1,0 +1,233 @@
+"""Each operation's collective script beside its price.
+
+A script is the ordered tuple of :class:`Message` s one call sends: which collective, which
+record, how many rows. The sampler is adaptive -- which collectives it needs depends on the
+logits -- so its script is a function of the *path* a call took (:class:`SamplePath`: a handful
+of row counts), which the call reports; the planner builds the typical and the worst path of a
+workload (:func:`sampler_paths`) and prices them with the same function. A test runs every
+sampler configuration and checks the collectives and bytes ``vocabpar.comm`` measured against
+:func:`price` of the reported script, message for message.
+
+Adding a sampling filter means: its messages as records (:mod:`vocabpar.wire.records`), its
+branch in :class:`SamplePath` / :func:`sample_script` and in :func:`sampler_paths`, and the
+sampler code that sends them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vocabpar.wire.records import (
+    AGREE_WIDTH,
+    DRAW,
+    HISTOGRAM,
+    LARGER,
+    MASSES,
+    TOTAL,
+    Record,
+    agreement,
+    round_one,
+    score,
+    settle,
+)
+from vocabpar.wire.traffic import Traffic, all_gather, all_reduce, between
+
+MAX_CANDIDATES = 256
+"""top-k beyond this uses the threshold search."""
+TOP_P_CANDIDATES = 512
+"""Round-one candidates over all ranks when a row has top-p: certifies peaked (LLM-like) rows,
+which keep ~100-350 tokens."""
+MIN_P_CANDIDATES = 16
+SCORE_ROWS = 256
+"""Hidden rows whose logits one scoring call computes (prompt logprobs, ``score``): no rank
+holds more than one ``[SCORE_ROWS, V/n]`` block of logits."""
+
+
+@dataclass(frozen=True)
+class Message:
+    """One collective: ``kind`` (``"all_gather"`` or ``"all_reduce"``) of ``rows`` rows of
+    ``record``."""
+
+    kind: str
+    record: Record
+    rows: int
+
+    def traffic(self, ranks: int) -> Traffic:
+        """What one rank of ``ranks`` takes part in (nothing on one rank)."""
+        send = all_gather if self.kind == "all_gather" else all_reduce
+        return send(self.record.nbytes(self.rows), ranks)
+
+
+Script = tuple[Message, ...]
+
+
+def price(script: Sequence[Message], ranks: int) -> Traffic:
+    """The traffic of ``script`` on one of ``ranks`` ranks."""
+    return sum((m.traffic(ranks) for m in script), Traffic())
+
+
+CHECK = Message("all_gather", agreement(AGREE_WIDTH - 2), 1)
+"""The per-call agreement check every entry point runs first when checks are on."""
+
+
+def candidate_count(ranks: int, widest: int, *, top_k: int, top_p: bool, min_p: bool) -> int:
+    """Round-one candidates per rank and sampled row: enough for the largest small top-k
+    (``top_k``: the largest k in ``(0, MAX_CANDIDATES]`` of any sampled row, else 0), for top-p and
+    for min-p, at most ``widest`` (the most real tokens one rank holds)."""
+    need = [1]
+    if 0 < top_k <= MAX_CANDIDATES:
+        need.append(top_k)
+    if top_p:
+        need.append(-(-TOP_P_CANDIDATES // ranks))
+    if min_p:
+        need.append(MIN_P_CANDIDATES)
+    return min(max(need), widest)
+
+
+# ---------------------------------------------------------------------- sampling
+@dataclass(frozen=True)
+class Search:
+    """One threshold search over ``rows`` rows: ``rounds`` histogram all-reduces, one settling
+    all-gather (which also draws the rows' tokens when ``draw``), and, when some row's final
+    bucket held more than the settle carries (``ties``), one more histogram round."""
+
+    rows: int
+    rounds: int = 2
+    draw: bool = False
+    ties: bool = False
+
+    def script(self) -> Script:
+        histogram = Message("all_reduce", HISTOGRAM, self.rows)
+        return (histogram,) * self.rounds + (Message("all_gather", settle(self.draw), self.rows),) \
+            + (histogram,) * self.ties
+
+
+@dataclass(frozen=True)
+class SamplePath:
+    """The branches one sampler call took: ``rows`` in the batch, ``candidates`` per rank in
+    round one (0: greedy), the top-k threshold ``search`` (``None``: candidates sufficed), the
+    rows whose top-p ``total_rows`` was all-reduced, the top-p threshold search, the rows drawn
+    by the all-gather of each rank's best (``draw_rows``), the logprob count (``top_n``;
+    ``None``: no logprobs) and whether the agreement check ran first."""
+
+    rows: int
+    candidates: int = 0
+    top_k: Search | None = None
+    total_rows: int = 0
+    top_p: Search | None = None
+    draw_rows: int = 0
+    top_n: int | None = None
+    checked: bool = False
+
+
+def sample_script(path: SamplePath) -> Script:
+    """What a sampler call that took ``path`` sends, in order."""
+    script = (CHECK,) * path.checked + (Message("all_gather", round_one(path.candidates), path.rows),)
+    if path.top_k is not None:
+        script += path.top_k.script()
+    if path.total_rows:
+        script += (Message("all_reduce", TOTAL, path.total_rows),)
+    if path.top_p is not None:
+        script += path.top_p.script()
+    if path.draw_rows:
+        script += (Message("all_gather", DRAW, path.draw_rows),)
+    if path.top_n is not None:
+        script += score_script(path.rows, path.top_n)
+    return script
+
+
+def sampler_paths(rows: int, ranks: int, widest: int, vocab: int, *, temperature: float, top_k: int = 0,
+                  top_p: float = 1.0, min_p: float = 0.0) -> tuple[SamplePath, SamplePath]:
+    """The typical and the worst path of a sampler call on ``rows`` rows sharing one set of
+    parameters (``widest``: the most real tokens one rank holds; temperature 0 is greedy).
+
+    Typical means LLM-like peaked rows without ties: a top-k with k <= c and top-p are settled
+    by the candidates, top-p without such a top-k needs its total all-reduced, a top-k with
+    k > c a threshold search of two rounds, and the token is drawn locally unless no filter
+    narrows the row. The worst case (flat or tied rows) adds, wherever the code may take them,
+    the total, a top-p search, a tie round after each search and the draw's all-gather, each
+    for every row."""
+    if temperature == 0:
+        greedy = SamplePath(rows)
+        return greedy, greedy
+    k = top_k if top_k < vocab else 0  # top-k over the whole vocabulary filters nothing
+    with_top_p, with_min_p = top_p < 1, min_p > 0
+    c = candidate_count(ranks, widest, top_k=top_k, top_p=with_top_p, min_p=with_min_p)
+    unsent = c < widest  # some rank holds tokens it did not send
+    searched = k > c
+    narrowed = bool(k or with_top_p or with_min_p)
+    typical = SamplePath(rows, c, top_k=Search(rows, draw=not with_top_p) if searched else None,
+                         total_rows=rows * (with_top_p and unsent and not 0 < k <= c),
+                         draw_rows=rows * (unsent and not narrowed))
+    worst = SamplePath(rows, c, top_k=Search(rows, draw=not with_top_p, ties=True) if searched else None,
+                       total_rows=rows * (with_top_p and unsent),
+                       top_p=Search(rows, draw=True, ties=True) if with_top_p and unsent else None,
+                       draw_rows=rows * unsent)
+    return typical, worst
+
+
+def sampler_price(paths: tuple[SamplePath, SamplePath], ranks: int) -> Traffic:
+    """Typical..worst traffic of the pair :func:`sampler_paths` returns."""
+    typical, worst = paths
+    return between(price(sample_script(typical), ranks), price(sample_script(worst), ranks))
+
+
+# ---------------------------------------------------------------------- verification
+@dataclass(frozen=True)
+class VerifyPath:
+    """The branches one verification took: its stacked rows' sampler call (``sample``), the
+    (row, draft position) pairs whose exact masses were all-reduced (``weighed``) and the rows
+    that drew a correction from the residual (``rejected``)."""
+
+    sample: SamplePath
+    weighed: int = 0
+    rejected: int = 0
+
+
+def verify_script(path: VerifyPath) -> Script:
+    """What a verification that took ``path`` sends, in order."""
+    script = sample_script(path.sample)
+    if path.weighed:
+        script += (Message("all_reduce", MASSES, path.weighed),)
+    if path.rejected:
+        script += (Message("all_gather", DRAW, path.rejected),)
+    return script
+
+
+def verify_paths(batch: int, drafts: int, draft_logits: bool, ranks: int, widest: int, vocab: int, *,
+                 temperature: float, top_k: int = 0, top_p: float = 1.0,
+                 min_p: float = 0.0) -> tuple[VerifyPath, VerifyPath]:
+    """Typical and worst path of verifying ``drafts`` tokens per row of ``batch``: one sampler
+    call on the ``B·(k+1)`` target rows -- with draft logits and sampled rows the ``B·k`` draft
+    rows join it, the masses of every draft position are all-reduced and, in the worst case,
+    every row draws a correction (typically none does)."""
+    weigh = draft_logits and temperature != 0 and drafts > 0
+    rows = batch * (drafts + 1 + drafts * weigh)
+    typical, worst = sampler_paths(rows, ranks, widest, vocab, temperature=temperature, top_k=top_k,
+                                   top_p=top_p, min_p=min_p)
+    weighed = batch * drafts * weigh
+    return VerifyPath(typical, weighed), VerifyPath(worst, weighed, batch * weigh)
+
+
+def verify_price(paths: tuple[VerifyPath, VerifyPath], ranks: int) -> Traffic:
+    typical, worst = paths
+    return between(price(verify_script(typical), ranks), price(verify_script(worst), ranks))
+
+
+# ---------------------------------------------------------------------- scoring
+def score_script(rows: int, top_n: int) -> Script:
+    """``token_logprobs`` on ``rows`` rows: one all-gather of each shard's (max, sum-exp, scored
+    logit, top-n), one all-reduce of the rank counts."""
+    return Message("all_gather", score(top_n), rows), Message("all_reduce", LARGER, rows)
+
+
+def score_blocks(tokens: int) -> list[int]:
+    """Rows of each scoring call when ``tokens`` prompt tokens are scored ``SCORE_ROWS`` at a time."""
+    return [SCORE_ROWS] * (tokens // SCORE_ROWS) + [tokens % SCORE_ROWS] * bool(tokens % SCORE_ROWS)
+
+
+def calls(script: Sequence[Message], ranks: int) -> list[tuple[str, int]]:
+    """``(kind, bytes received)`` of each collective of ``script`` on one of ``ranks`` ranks, in
+    order, as :func:`vocabpar.comm.recording` lists what was measured (none on one rank)."""
+    return [(m.kind, m.traffic(ranks).bytes) for m in script] if ranks > 1 else []
