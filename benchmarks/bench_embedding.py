@@ -1,4 +1,4 @@
-"""Embedding benchmark: 4 gloo ranks, T=8192, H=1024, V=129280, bf16 (issue 3).
+"""Embedding benchmark: 4 gloo ranks, T=8192, H=1024, V=129280, bf16.
 
 Prints, side by side from one run: fused local lookup vs an unfused mask/offset/gather/fill
 sequence and vs plain F.embedding on a full table (the floor); all-reduce vs owner-gather
@@ -56,11 +56,11 @@ def bench(tokens: int, reps: int) -> dict:
 
     full_ids = ids.clone()
     results["local"] = {
-        "fused": timed(lambda: shard._local_rows(ids), reps, sync=False),
+        "fused": timed(lambda: shard.local_rows(ids), reps, sync=False),
         "unfused": timed(unfused, reps, sync=False),
         "F.embedding (full table)": timed(lambda: F.embedding(full_ids, table), reps, sync=False),
     }
-    assert torch.equal(shard._unpack(shard._local_rows(ids)), unfused())
+    assert torch.equal(shard.unpack_rows(shard.local_rows(ids)), unfused())
     results["exchange"] = {}
     for kind in ("uniform", "zipf"):
         kind_ids = make_ids(kind, tokens)

@@ -1,4 +1,4 @@
-"""LM head and logits collection benchmark: 4 gloo ranks, V=129280, H=1024 (issue 4).
+"""LM head and logits collection benchmark: 4 gloo ranks, V=129280, H=1024.
 
 Side by side from one run: prefill of 8 sequences x 512 tokens, head on all rows vs the last
 row of each sequence; DP attention with 64 rows per rank, logits returned by all-to-all vs
@@ -29,7 +29,7 @@ from vocabpar import (  # noqa: E402
     rss,  # noqa: E402
     select_rows,
 )
-from vocabpar.collect import _padded_local, _to_token_order  # noqa: E402
+from vocabpar.collect import padded_local, to_token_order  # noqa: E402
 from vocabpar.launch import run  # noqa: E402
 
 V, H = 129280, 1024
@@ -67,12 +67,12 @@ def bench(reps: int) -> dict:
     assert torch.equal(compute_logits(head, mine, strategy="dp_gather_scatter", scatter="all_to_all"),
                        compute_logits(head, mine, strategy="dp_gather_scatter", scatter="all_gather"))
     # the part the two strategies differ in: returning rows from precomputed [n*64, shard] logits
-    local = _padded_local(head, torch.randn(64 * n, H, generator=g).to(torch.bfloat16))
+    local = padded_local(head, torch.randn(64 * n, H, generator=g).to(torch.bfloat16))
     layout = head.layout
     res["dp_exchange"] = {
-        "all_to_all": timed(lambda: _to_token_order(comm.all_to_all(local, [64] * n, [64] * n)
+        "all_to_all": timed(lambda: to_token_order(comm.all_to_all(local, [64] * n, [64] * n)
                                                     .view(n, 64, layout.max_rows), layout), reps),
-        "all_gather": timed(lambda: _to_token_order(comm.all_gather(local), layout)[me * 64: (me + 1) * 64],
+        "all_gather": timed(lambda: to_token_order(comm.all_gather(local), layout)[me * 64: (me + 1) * 64],
                             reps)}
     # 3. B=1024 FP32: per-row reduction of full-vocab logits, chunked vs whole
     rows = torch.randn(1024, H, generator=g).to(torch.bfloat16)

@@ -59,7 +59,7 @@ def test_bit_exact_against_full_table(n):
     for failures, modes in run(_exactness_sweep, n, timeout=120):
         assert failures == []
         if n > 1:
-            assert {"all_reduce", "owner_gather", "none"} <= set(modes)
+            assert {"all_reduce", "owner_gather", "local"} <= set(modes)
 
 
 def _special_cases():

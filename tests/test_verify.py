@@ -10,6 +10,7 @@ import torch
 from vocabpar import SamplingParams, VocabLayout, comm, reference_sample, reference_verify, sample, verify
 from vocabpar.launch import run
 from vocabpar.sampling.reference import kept_tokens
+from vocabpar.wire.scripts import calls
 
 
 def _layouts(V: int, org: int, n: int) -> list[VocabLayout]:
@@ -89,14 +90,16 @@ def _verify_all(cases):
         for i, layout in enumerate(_layouts(V, case["org"], comm.world_size())):
             junk = [float("nan"), 1e30, float("inf")][i]
             draft = case["draft_logits"]
+            draft = None if draft is None else _shard(draft, layout, comm.rank(), junk)
             comm.reset_traffic()
-            try:
-                res = verify(_shard(case["target"], layout, comm.rank(), junk), layout, case["params"],
-                             case["drafts"], positions=case["positions"],
-                             draft_logits=None if draft is None else _shard(draft, layout, comm.rank(), junk))
-            except ValueError as e:
-                res = f"ValueError: {e}"
-            out[case["name"], layout.scheme] = res, comm.total_bytes()
+            with comm.recording() as measured:
+                try:
+                    res = verify(_shard(case["target"], layout, comm.rank(), junk), layout, case["params"],
+                                 case["drafts"], positions=case["positions"],
+                                 draft_logits=draft)
+                except ValueError as e:
+                    res = f"ValueError: {e}"
+            out[case["name"], layout.scheme] = res, comm.total_bytes(), measured
     return out
 
 
@@ -115,9 +118,11 @@ def test_verify_equals_reference(sharded, case):
     assert ref.tokens.shape == (case["drafts"].shape[0], k + 1)
     for rank, per_rank in enumerate(results):
         for scheme in ("padded", "uneven", "replicated"):
-            got, (sent, _) = per_rank[case["name"], scheme]
+            got, (sent, _), measured = per_rank[case["name"], scheme]
             where = f"{case['name']} {scheme} rank {rank}/{n}"
             assert not isinstance(got, str), f"{where}: {got}"
+            # what crossed ranks is what the call's script prices, collective for collective
+            assert measured == calls(got.script, 1 if scheme == "replicated" else n), where
             assert torch.equal(got.accepted, ref.accepted), f"{where}: {got.accepted} != {ref.accepted}"
             assert torch.equal(got.tokens, ref.tokens), f"{where}: {got.tokens} != {ref.tokens}"
             if scheme == "replicated" or n == 1:

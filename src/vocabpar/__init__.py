@@ -7,6 +7,7 @@ from vocabpar.layout import Shard, VocabLayout
 from vocabpar.sampling import (
     SampleOutput,
     SamplingParams,
+    TokenCounts,
     VerifyOutput,
     reference_sample,
     reference_verify,
@@ -17,6 +18,7 @@ from vocabpar.sampling.scoring import TokenLogprobs, token_logprobs
 
 __all__ = ["ParallelLMHead", "Shard", "ShardedLogits", "VocabLayout", "VocabParallelEmbedding",
            "broadcast_tokens", "compute_logits", "iter_logits", "reference_logits", "select_rows",
-           "SampleOutput", "SamplingParams", "reference_sample", "sample", "TokenLogprobs", "token_logprobs",
+           "SampleOutput", "SamplingParams", "TokenCounts", "reference_sample", "sample", "TokenLogprobs",
+           "token_logprobs",
            "VerifyOutput", "reference_verify", "verify"]
 __version__ = "0.1.0"

@@ -2,8 +2,8 @@
 
 The strategies' facts (inputs, chunking, rows each rank ends with, what they send) are
 :data:`vocabpar.wire.strategies.STRATEGIES`; here each is one short run function (:data:`RUN`). They
-share two helpers: ``_padded_local`` (local FP32 logits padded to the layout's widest shard, so
-every collective moves equal shapes) and ``_to_token_order`` (stacked shards -> columns in
+share two helpers: ``padded_local`` (local FP32 logits padded to the layout's widest shard, so
+every collective moves equal shapes) and ``to_token_order`` (stacked shards -> columns in
 token-id order, padding dropped, using the layout's id ranges). Every strategy returns, for the
 rows it hands to this rank, exactly the logits of ``head.local_logits`` arranged in token order,
 so all strategies agree with each other bit for bit. Chunking (``chunk_rows``) changes how many
@@ -35,12 +35,14 @@ class ShardedLogits:
     rank: int
 
 
-def _padded_local(head: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
+def padded_local(head: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
+    """This rank's FP32 logits ``[T, max_rows]`` of ``hidden`` ``[T, H]``: its shard padded to
+    the widest, the block every collecting strategy sends."""
     out = torch.empty(hidden.shape[0], head.layout.max_rows, dtype=torch.float32, device=hidden.device)
     return head.logits_into(hidden, out)
 
 
-def _to_token_order(stacked: torch.Tensor, layout: VocabLayout) -> torch.Tensor:
+def to_token_order(stacked: torch.Tensor, layout: VocabLayout) -> torch.Tensor:
     """``[n, B, max_rows]`` shards in rank order -> ``[B, vocab_size]`` in token order, padding
     dropped: one copy of each rank's org and added id range, so one pass over ``[B, V]``."""
     out = stacked.new_empty(stacked.shape[1], layout.vocab_size)
@@ -52,7 +54,7 @@ def _to_token_order(stacked: torch.Tensor, layout: VocabLayout) -> torch.Tensor:
 
 def _local_full(head: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
     """Replicated head: every column is local, already in token order."""
-    return _padded_local(head, hidden)[:, : head.layout.vocab_size]
+    return padded_local(head, hidden)[:, : head.layout.vocab_size]
 
 
 # --------------------------------------------------------------------------- strategies
@@ -61,14 +63,14 @@ def _local_full(head: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
 def _all_gather(head, hidden, sizes, dst, scatter):
     if head.layout.scheme == "replicated":
         return _local_full(head, hidden)
-    return _to_token_order(comm.all_gather(_padded_local(head, hidden), head.group), head.layout)
+    return to_token_order(comm.all_gather(padded_local(head, hidden), head.group), head.layout)
 
 
 def _gather(head, hidden, sizes, dst, scatter):
     if head.layout.scheme == "replicated":
         return _local_full(head, hidden) if comm.rank(head.group) == dst else None
-    stacked = comm.gather(_padded_local(head, hidden), dst, head.group)
-    return None if stacked is None else _to_token_order(stacked, head.layout)
+    stacked = comm.gather(padded_local(head, hidden), dst, head.group)
+    return None if stacked is None else to_token_order(stacked, head.layout)
 
 
 def _to_owners(head, hidden, sizes, dst, scatter):
@@ -78,8 +80,8 @@ def _to_owners(head, hidden, sizes, dst, scatter):
     if head.layout.scheme == "replicated":
         start = sum(sizes[:me])
         return _local_full(head, hidden[start: start + sizes[me]])
-    received = comm.all_to_all(_padded_local(head, hidden), sizes, [sizes[me]] * n, head.group)
-    return _to_token_order(received.view(n, sizes[me], head.layout.max_rows), head.layout)
+    received = comm.all_to_all(padded_local(head, hidden), sizes, [sizes[me]] * n, head.group)
+    return to_token_order(received.view(n, sizes[me], head.layout.max_rows), head.layout)
 
 
 def _dp_gather_scatter(head, hidden, sizes, dst, scatter):

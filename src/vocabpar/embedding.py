@@ -13,9 +13,8 @@ import torch
 from vocabpar import comm
 from vocabpar.layout import VocabLayout
 from vocabpar.weights import VocabShardedMatrix, dequantize_rows
-from vocabpar.wire.strategies import exchange_bytes
+from vocabpar.wire.strategies import EXCHANGE_CHOICES, exchange_bytes
 
-EXCHANGES = ("auto", "all_reduce", "owner_gather")
 OOB_MODES = ("error", "zero")
 
 
@@ -44,20 +43,20 @@ class VocabParallelEmbedding(VocabShardedMatrix):
                  dtype: torch.dtype = torch.float32, exchange: str = "auto", oob: str = "error",
                  quantized: bool = False, compute_dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, check: bool | None = None) -> None:
-        if exchange not in EXCHANGES:
-            raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+        if exchange not in EXCHANGE_CHOICES:
+            raise ValueError(f"exchange must be one of {EXCHANGE_CHOICES}, got {exchange!r}")
         if oob not in OOB_MODES:
             raise ValueError(f"oob must be one of {OOB_MODES}, got {oob!r}")
         super().__init__(layout, embedding_dim, group=group, dtype=dtype, quantized=quantized,
                          compute_dtype=compute_dtype, device=device, exchange=exchange, oob=oob)
         self.embedding_dim, self.exchange, self.oob, self.check = embedding_dim, exchange, oob, check
-        self.last_exchange: str | None = None  # what the latest forward used (for benchmarks)
+        self.last_exchange: str | None = None  # the EMBEDDING_EXCHANGES word the latest forward used
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         n = comm.world_size(self.group)
         if self.layout.scheme == "replicated" or n == 1:
             flat = self._checked_ids(ids).reshape(-1)
-            mode, packed = "none", self._local_rows(flat)
+            mode, packed = "local", self.local_rows(flat)
         else:
             comm.agree("VocabParallelEmbedding", self.group,
                        lambda: {"ids": self._checked_ids(ids).numel(), "token ids": ids}, check=self.check)
@@ -72,12 +71,12 @@ class VocabParallelEmbedding(VocabShardedMatrix):
                 if mode == "owner_gather":
                     packed = self._owner_gather(flat, owner, counts)
         if mode == "all_reduce":
-            packed = comm.all_reduce_exact(self._local_rows(flat), self.group)
+            packed = comm.all_reduce_exact(self.local_rows(flat), self.group)
         self.last_exchange = mode
-        return self._unpack(packed).reshape(*ids.shape, self.embedding_dim)
+        return self.unpack_rows(packed).reshape(*ids.shape, self.embedding_dim)
 
     # ------------------------------------------------------------------ steps
-    def _local_rows(self, ids: torch.Tensor) -> torch.Tensor:
+    def local_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """One gather: owned ids -> their local row, everything else -> the zero sentinel row.
         Rows travel as integer words; quantized rows carry their 4 scale bytes at the end."""
         local, owned = self.layout.local_ids(ids, self.rank)
@@ -95,7 +94,7 @@ class VocabParallelEmbedding(VocabShardedMatrix):
         me, skipped = self.rank, counts[0]
         order = torch.argsort(owner, stable=True)  # out-of-range first, then by owner
         starts = torch.tensor(counts, device=ids.device).cumsum(0)
-        block = self._local_rows(ids.index_select(0, order[starts[me]: starts[me + 1]]))
+        block = self.local_rows(ids.index_select(0, order[starts[me]: starts[me + 1]]))
         stacked, _ = comm.all_gather_padded(block, counts[1:], self.group)
         # row of stacked.flatten(0, 1) holding each owned position: owner * width + rank in block
         owners = owner.index_select(0, order[skipped:])
@@ -108,7 +107,9 @@ class VocabParallelEmbedding(VocabShardedMatrix):
         out = rows.new_zeros((ids.numel(), rows.shape[1]))
         return out.index_copy_(0, order[skipped:], rows.index_select(0, source))
 
-    def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
+    def unpack_rows(self, packed: torch.Tensor) -> torch.Tensor:
+        """Rows in the compute dtype ``[T, dim]`` from :meth:`local_rows`' integer words
+        (quantized rows dequantized with their scales)."""
         if packed.shape[0] == 0:
             return torch.empty(0, self.embedding_dim, dtype=self.compute_dtype, device=packed.device)
         raw = packed.view(torch.uint8)

@@ -141,6 +141,12 @@ def greedy_bytes(rows: int, ranks: int) -> int:
 
 # ---------------------------------------------------------------------- embedding exchanges
 EMBEDDING_EXCHANGES = ("all_reduce", "owner_gather", "local")
+"""How an embedding lookup assembles its rows: ``all_reduce`` (masked rows summed),
+``owner_gather`` (each owner's rows all-gathered), ``local`` (a replicated table or one rank:
+nothing crosses). ``auto`` picks ``all_reduce`` or ``owner_gather`` per forward, whichever
+moves fewer bytes."""
+EXCHANGE_CHOICES = ("auto", "all_reduce", "owner_gather")
+"""What a sharded embedding may be built with (``local`` follows from the layout)."""
 
 
 def exchange_bytes(mode: str, tokens: int, row_bytes: int, ranks: int, owned: int | None = None) -> float:

@@ -1,0 +1,112 @@
+"""The house's rules, read from the source: floors, no cycles, small files, a pure cost model.
+
+A module imports only from its own floor or below (imports inside functions count). Floors,
+bottom up: 1 pure facts (layout, hashing, presets, wire), 2 sending and pricing (comm, plan,
+launch, rss), 3 vocab matrices and sampling, 4 the head and collection, 5 integrations,
+6 demo and plots, 7 the command line."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "vocabpar"
+
+FLOORS = {
+    "layout": 1, "hashing": 1, "presets": 1, "wire": 1,
+    "comm": 2, "plan": 2, "launch": 2, "rss": 2,
+    "weights": 3, "embedding": 3, "sampling": 3,
+    "head": 4, "collect": 4,
+    "integrations": 5,
+    "demo": 6, "plots": 6,
+    "cli": 7, "__main__": 7,
+}
+MAX_LINES = 500
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted name -> file, for every module of the package (packages by their ``__init__``)."""
+    out = {}
+    for path in SRC.rglob("*.py"):
+        parts = path.relative_to(SRC.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _floor(module: str) -> int | None:
+    """A module's floor (``None`` for the top-level package, a facade of re-exports)."""
+    parts = module.split(".")
+    return FLOORS[parts[1]] if len(parts) > 1 else None
+
+
+def _imports(module: str) -> set[str]:
+    """Every module ``module`` imports anywhere in its file (``from vocabpar import comm`` names
+    the module ``vocabpar.comm``)."""
+    found = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert not node.level, f"{module}: relative import (the rules read absolute ones)"
+            base = node.module
+            for alias in node.names:
+                name = f"{base}.{alias.name}"
+                found |= {name} if name in MODULES else {base, name}
+    return found - {module}
+
+
+IMPORTS = {m: _imports(m) for m in MODULES}
+GRAPH = {m: {dep for dep in deps if dep in MODULES} for m, deps in IMPORTS.items()}
+
+
+def test_every_module_has_a_floor():
+    assert all(_floor(m) is not None for m in MODULES if m != "vocabpar"), sorted(
+        m for m in MODULES if m != "vocabpar" and m.split(".")[1] not in FLOORS)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m != "vocabpar"))
+def test_imports_go_down_or_level(module):
+    upward = {m: _floor(m) for m in GRAPH[module] if m == "vocabpar" or _floor(m) > _floor(module)}
+    assert not upward, f"{module} (floor {_floor(module)}) imports from above: {upward}"
+
+
+def test_no_import_cycle():
+    """Depth-first search over the import graph, package facades included."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for dep in sorted(GRAPH[m]):
+            if dep == "vocabpar":
+                continue
+            if state.get(dep) == 1:
+                cycle = path[path.index(dep):] + [dep]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[m] = 2
+
+    for m in sorted(GRAPH):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_the_cost_model_and_the_wire_import_no_plotting_and_no_torch_distributed():
+    for module, deps in IMPORTS.items():
+        if module.startswith(("vocabpar.plan", "vocabpar.wire")):
+            banned = {d for d in deps if d.startswith(("matplotlib", "torch.distributed", "vocabpar.comm"))}
+            assert not banned, f"{module} imports {banned}"
+
+
+def test_no_source_file_over_the_limit():
+    long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines()))
+            > MAX_LINES}
+    assert not long, f"over {MAX_LINES} lines: {long}"
+
+
+def test_integrations_do_not_import_each_other_both_ways():
+    hf, spec = "vocabpar.integrations.hf", "vocabpar.integrations.speculative"
+    assert hf not in GRAPH[spec], "the speculative loop must not import the Hugging Face drop-in"
