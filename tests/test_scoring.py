@@ -53,7 +53,6 @@ def _score_all():
         "wrong_length": lambda: token_logprobs(shard, layout, ids[:2]),
         "not_fp32": lambda: token_logprobs(shard.double(), layout, ids),
         "width": lambda: token_logprobs(shard[:, 1:], layout, ids),
-        "nan_row": lambda: token_logprobs(torch.full_like(shard, float("nan")), layout, ids),
     }
     layout = VocabLayout(1030, n, org_vocab_size=1000)
     local = layout.local_token_ids(me)
@@ -66,6 +65,11 @@ def _score_all():
             out[name] = "no error"
         except ValueError as e:
             out[name] = str(e)
+    # a forced-token row (+inf) and a NaN row get log_softmax's answer; the others stay exact
+    odd = full[:4].clone()
+    odd[0, 7], odd[1, 3] = float("inf"), float("nan")
+    out["non_finite"] = odd, token_logprobs(torch.where(local >= 0, odd[:, local.clamp(min=0)], 0.0), layout,
+                                            ids, top_n=2)
     return out
 
 
@@ -129,7 +133,6 @@ def test_bytes_received_are_bounded_and_independent_of_vocab(scored):
     ("wrong_length", "token_ids must be int64 [4]"),
     ("not_fp32", "local logits must be float32"),
     ("width", "local logits must be float32"),
-    ("nan_row", "rows [0, 1, 2, 3] hold NaN or +inf logits"),
 ])
 def test_bad_input_fails_every_rank(scored, name, message):
     n, per_rank = scored
@@ -138,3 +141,13 @@ def test_bad_input_fails_every_rank(scored, name, message):
             assert "rank(s) [0] rejected their input" in out[name]
         else:
             assert message in out[name], out[name]
+
+
+def test_rows_with_nan_or_inf_get_nan_and_the_others_stay_exact(scored):
+    n, per_rank = scored
+    for out in per_rank:
+        odd, got = out["non_finite"]
+        ids = CASES["mixed"][1][:4]
+        want = torch.log_softmax(odd.double(), 1).gather(1, ids[:, None])[:, 0]
+        assert got.logprobs[:2].isnan().all() and got.top_logprobs[:2].isnan().all(), n
+        torch.testing.assert_close(got.logprobs[2:].double(), want[2:], rtol=0, atol=1e-5)

@@ -1,10 +1,12 @@
 """Run a function on N local ranks (tests, demo, benchmarks), or on the ranks torchrun started.
 
 Local runs use gloo on 127.0.0.1 with a free port, one process per rank started from a
-``forkserver`` that has torch preloaded (fast and fork-safe; ``fork`` after OpenMP work hangs).
-``fn`` must therefore be a module-level function. Every rank's return value comes back to the
-caller; an exception on any rank, or a rank that dies, raises :class:`LaunchError` naming the
-rank(s); the collective timeout makes survivors of a dead peer fail instead of hanging.
+``forkserver`` that has torch preloaded (fast and fork-safe; ``fork`` after OpenMP work hangs;
+:func:`preload` adds modules). ``fn`` must therefore be a module-level function. Every rank's
+return value comes back to the caller; an exception on any rank, or a rank that dies, raises
+:class:`LaunchError` naming the rank(s); the collective timeout makes survivors of a dead peer
+fail instead of hanging. A rank that succeeded stays until every rank has reported (it may host
+the rendezvous store or be a peer still connecting), then the caller ends it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# modules the forkserver imports once, before it forks the first rank (see preload)
+PRELOAD = ["torch", "vocabpar"]
+
+
+def preload(*modules: str) -> None:
+    """Have the ranks of local runs start with ``modules`` imported: the forkserver imports them
+    once instead of every rank (``transformers``' model code takes seconds per process). Only a
+    forkserver that is not running yet sees them, so call this before the process's first local
+    run; a module that fails to import is skipped."""
+    PRELOAD.extend(m for m in modules if m not in PRELOAD)
 
 
 class LaunchError(RuntimeError):
@@ -69,20 +82,22 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "vocabpar"])
+    ctx.set_forkserver_preload(list(PRELOAD))
     port = _free_port()
     procs, conns = [], []
     for r in range(world_size):
-        reader, writer = ctx.Pipe(duplex=False)
+        mine, theirs = ctx.Pipe()  # results come back on it; closing ours releases the rank
         p = ctx.Process(target=_rank_main, daemon=True,
-                        args=(fn, r, world_size, port, timeout, threads, writer, args, kwargs))
+                        args=(fn, r, world_size, port, timeout, threads, theirs, args, kwargs))
         p.start()
-        writer.close()
+        theirs.close()
         procs.append(p)
-        conns.append(reader)
+        conns.append(mine)
     try:
         return _collect(procs, conns, deadline=time.monotonic() + run_timeout, grace=timeout + 10)
     finally:
+        for conn in conns:
+            conn.close()
         for p in procs:
             if p.is_alive():
                 p.kill()
@@ -109,9 +124,13 @@ def _rank_main(fn, rank, world_size, port, timeout, threads, conn, args, kwargs)
     except Exception as e:
         payload = pickle.dumps((False, (f"result could not be pickled: {e}", traceback.format_exc())))
     conn.send_bytes(payload)
-    conn.close()
-    if dist.is_initialized() and message[0]:
-        dist.destroy_process_group()
+    if message[0]:
+        # stay until every rank has reported: a peer may still be connecting to this one or to
+        # the store rank 0 hosts; the caller then closes its end of the pipe or ends this process
+        try:
+            conn.recv_bytes()
+        except (EOFError, OSError):
+            pass
     os._exit(0)  # skip interpreter teardown: a dead peer must not make this rank hang on exit
 
 

@@ -17,12 +17,14 @@ Rows are processed locally in blocks of ``ROW_BLOCK`` so the float64 temporaries
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
 from vocabpar import comm
 from vocabpar.layout import VocabLayout
+from vocabpar.sampling.failures import Failures
 from vocabpar.sampling.semantics import NEG_INF, rank_key
 from vocabpar.wire.records import LARGER, score
 
@@ -34,21 +36,31 @@ class TokenLogprobs:
     """Per scored row: ``logprobs`` (float32 ``[T]``, log-softmax of the full row at the token),
     ``ranks`` (int64 ``[T]``, 1 + number of tokens with a strictly larger logit), ``top_ids``
     (int64 ``[T, top_n]``, descending, lowest id first on ties) and ``top_logprobs``
-    (float32 ``[T, top_n]``). Identical on every rank."""
+    (float32 ``[T, top_n]``). Identical on every rank. A row holding NaN or +inf logits gets
+    NaN logprobs, as ``torch.log_softmax`` gives. ``failures``: an engine call's flags."""
 
     logprobs: torch.Tensor
     ranks: torch.Tensor
     top_ids: torch.Tensor
     top_logprobs: torch.Tensor
+    failures: Failures | None = None
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> TokenLogprobs:
         """The same fields with ``fn`` applied to each (indexing, reshaping: dim 0 is the row)."""
-        return TokenLogprobs(*(fn(getattr(self, f.name)) for f in fields(self)))
+        return TokenLogprobs(*(fn(getattr(self, name)) for name in _TENSORS))
 
     @staticmethod
     def concat(parts: Sequence[TokenLogprobs]) -> TokenLogprobs:
         """Rows of ``parts`` one after the other (at least one part)."""
-        return TokenLogprobs(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(TokenLogprobs)))
+        return TokenLogprobs(*(torch.cat([getattr(p, name) for p in parts]) for name in _TENSORS))
+
+    def raise_if_failed(self) -> None:
+        """Raise the engine call's failures (the same ``ValueError`` on every rank), if any."""
+        if self.failures is not None:
+            self.failures.raise_if_failed()
+
+
+_TENSORS = ("logprobs", "ranks", "top_ids", "top_logprobs")
 
 
 def token_logprobs(local_logits: torch.Tensor, layout: VocabLayout, token_ids: torch.Tensor, *,
@@ -56,8 +68,9 @@ def token_logprobs(local_logits: torch.Tensor, layout: VocabLayout, token_ids: t
                    check: bool | None = None) -> TokenLogprobs:
     """Score ``token_ids`` (int64 ``[T]``, the same on every rank) under this rank's FP32 raw
     logits ``[T, rows]`` (storage order of ``layout``'s shard; padding columns ignored). Equals
-    ``torch.log_softmax`` of the full rows to float64 rounding; ranks and top ids exactly. Bad
-    input, disagreeing ranks and rows holding NaN or +inf raise ``ValueError`` on every rank."""
+    ``torch.log_softmax`` of the full rows to float64 rounding; ranks and top ids exactly; rows
+    holding NaN or +inf get NaN logprobs (``log_softmax``'s answer). Bad input and disagreeing
+    ranks raise ``ValueError`` on every rank."""
     replicated = layout.scheme == "replicated"
     me = 0 if replicated else comm.rank(group)
     n = 1 if replicated else comm.world_size(group)
@@ -90,25 +103,35 @@ def token_logprobs(local_logits: torch.Tensor, layout: VocabLayout, token_ids: t
     else:
         comm.agree("token_logprobs", group, facts, check=check)
     ids = layout.local_token_ids(me).to(local_logits.device)
-    T = local_logits.shape[0]
+    stats = local_scores(local_logits, ids, layout, me, token_ids, top_n)
+    got = score(top_n).unpack(stats.unsqueeze(0) if n == 1 else comm.all_gather(stats, group))
+    return merged_scores(local_logits, ids, got, lambda t: t if n == 1 else comm.all_reduce(t, group))
+
+
+def local_scores(logits: torch.Tensor, ids: torch.Tensor, layout: VocabLayout, me: int,
+                 token_ids: torch.Tensor, top_n: int) -> torch.Tensor:
+    """This shard's :func:`~vocabpar.wire.records.score` record ``[T, words]`` for scoring
+    ``token_ids`` ``[T]`` under ``logits`` ``[T, columns]`` (rank ``me``'s storage order)."""
     col, owned = layout.local_ids(token_ids, me)
-    record = score(top_n)
-    stats = _local_stats(local_logits, ids, col.to(local_logits.device), owned.to(local_logits.device), top_n)
-    got = record.unpack(stats.unsqueeze(0) if n == 1 else comm.all_gather(stats, group))  # each [n, T, ...]
+    return _local_stats(logits, ids, col.to(logits.device), owned.to(logits.device), top_n)
+
+
+def merged_scores(logits: torch.Tensor, ids: torch.Tensor, got: SimpleNamespace,
+                  sum_over_ranks: Callable[[torch.Tensor], torch.Tensor]) -> TokenLogprobs:
+    """The scores from every rank's gathered record (``got``: fields ``[n, T, ...]``): the
+    log-softmax ``(x - M) - log(S)`` merged in rank order (the same bits on every rank; NaN for
+    rows holding NaN or +inf), then one ``sum_over_ranks`` of :data:`LARGER` for the ranks. No
+    host read."""
+    n, T, top_n = got.values.shape
     shard_max, shard_sum, chosen = got.max, got.sum_exp, got.chosen.max(0).values
-    bad = shard_max.isnan().any(0).nonzero().flatten().tolist()
-    if bad:
-        raise ValueError(f"cannot score: rows {bad} hold NaN or +inf logits")
     M = shard_max.max(0).values
     S = torch.zeros_like(M)
     for r in range(n):  # fixed rank order: the same sum on every rank
         S = S + torch.where(shard_max[r] == NEG_INF, 0.0, shard_sum[r] * torch.exp(shard_max[r] - M))
     log_s = torch.log(S)
-    larger = LARGER.pack(count=_count_larger(local_logits, ids, chosen))
-    larger = LARGER.unpack(larger if n == 1 else comm.all_reduce(larger, group)).count
-    width = n * top_n  # ranks x candidates (T may be 0)
-    vals = got.values.permute(1, 0, 2).reshape(T, width)
-    cand = got.ids.permute(1, 0, 2).reshape(T, width)
+    larger = LARGER.unpack(sum_over_ranks(LARGER.pack(count=_count_larger(logits, ids, chosen)))).count
+    vals = got.values.permute(1, 0, 2).reshape(T, n * top_n)  # ranks x candidates (T may be 0)
+    cand = got.ids.permute(1, 0, 2).reshape(T, n * top_n)
     top = rank_key(vals.float(), cand).topk(top_n, 1).indices
     return TokenLogprobs(((chosen - M) - log_s).float(), larger + 1, cand.gather(1, top),
                          ((vals.gather(1, top) - M[:, None]) - log_s[:, None]).float())

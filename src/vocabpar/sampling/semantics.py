@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vocabpar.sampling.failures import Failures
 from vocabpar.sampling.noise import gumbel, row_keys, uniform
 from vocabpar.sampling.params import Rows, TokenCounts
 from vocabpar.wire.scripts import Script
@@ -33,7 +34,8 @@ class SampleOutput:
     ties by lowest id), from the log-softmax of the raw or processed logits (``logprobs_of``).
     Rows that asked fewer have id -1 and logprob NaN past their count; rows that asked none have
     NaN / rank -1 too. ``script``: the collectives the call made, in order
-    (:func:`vocabpar.wire.scripts.price` gives their bytes; empty from the reference)."""
+    (:func:`vocabpar.wire.scripts.price` gives their bytes; empty from the reference).
+    ``failures``: an engine call's flags (:meth:`raise_if_failed`)."""
 
     tokens: torch.Tensor
     logprob: torch.Tensor | None = None
@@ -41,6 +43,12 @@ class SampleOutput:
     top_logprobs: torch.Tensor | None = None
     rank: torch.Tensor | None = None
     script: Script = ()
+    failures: Failures | None = None
+
+    def raise_if_failed(self) -> None:
+        """Raise the engine call's failures (the same ``ValueError`` on every rank), if any."""
+        if self.failures is not None:
+            self.failures.raise_if_failed()
 
     def top(self, row: int) -> list[tuple[int, float]]:
         """Row ``row``'s top list as (id, logprob) pairs, as long as the row asked."""
@@ -52,11 +60,18 @@ class SampleOutput:
 class VerifyOutput:
     """``accepted`` (int64 ``[B]``, 0..k): how many leading drafts each row kept; ``tokens`` (int64
     ``[B, k+1]``): those drafts, then the correction or the bonus token, then -1. ``script``:
-    the collectives the call made, in order (empty from the reference)."""
+    the collectives the call made, in order (empty from the reference). ``failures``: an engine
+    call's flags."""
 
     accepted: torch.Tensor
     tokens: torch.Tensor
     script: Script = ()
+    failures: Failures | None = None
+
+    def raise_if_failed(self) -> None:
+        """Raise the engine call's failures (the same ``ValueError`` on every rank), if any."""
+        if self.failures is not None:
+            self.failures.raise_if_failed()
 
     def emitted(self, row: int) -> list[int]:
         """The tokens row ``row`` emits this step (``accepted + 1`` of them)."""

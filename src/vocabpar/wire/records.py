@@ -89,6 +89,22 @@ def agreement(facts: int) -> Record:
     return Record("agreement", (Field("valid"), Field("count"), Field("facts", facts)))
 
 
+@cache
+def check(facts: int) -> Record:
+    """The check an engine call folds into its first message: this rank's ``problem`` with its
+    input (0: none; else a code the caller names, at ``row``), then one word per fact that
+    every rank must share."""
+    return Record("check", (Field("problem"), Field("row"), Field("facts", facts)))
+
+
+@cache
+def folded(record: Record, rows: int, facts: int) -> Record:
+    """One message of a fixed ``rows`` rows of ``record`` followed by a :func:`check` of
+    ``facts`` facts: an engine call's first collective carries its agreement check."""
+    return Record(f"{record.name} + check", (Field("rows", rows * record.words()),
+                                             *check(facts).fields))
+
+
 def agreement_words(checked: bool, varying: int) -> int:
     """int64 words per rank of one agreement exchange: the full record when the checks are on,
     else only the header and the ``varying`` per-rank values the caller needs (e.g. DP row
@@ -108,16 +124,24 @@ SETTLE_TOKENS = 16
 
 
 @cache
-def round_one(candidates: int) -> Record:
+def round_one(candidates: int, ties: bool = False) -> Record:
     """The sampler's first message per row: the shard's max (NaN when the row holds a NaN) and
-    the lowest id holding it, then its top ``candidates`` values (descending) and ids (-1: none)."""
-    return Record("round one", (_real("max"), Field("max_id"), _real("values", candidates),
-                                Field("ids", candidates)))
+    the lowest id holding it, then its top ``candidates`` values (descending) and ids (-1: none);
+    with ``ties`` (the engine's), how many of the shard's tokens equal the last candidate's
+    value, so the tied group a cut splits is counted exactly."""
+    fields = (_real("max"), Field("max_id"), _real("values", candidates), Field("ids", candidates))
+    return Record("round one", fields + (Field("ties"),) * ties)
 
 
-HISTOGRAM = Record("histogram", (Field("digits", 2**SEARCH_BITS), Field("above")))
-"""A threshold search round, summed over ranks: per row the weight of each of the bucket's
-``2**SEARCH_BITS`` digits, then the weight above the bucket."""
+@cache
+def histogram(bits: int) -> Record:
+    """A threshold search round, summed over ranks: per row the weight of each of the bucket's
+    ``2**bits`` digits, then the weight above the bucket."""
+    return Record("histogram", (Field("digits", 2**bits), Field("above")))
+
+
+HISTOGRAM = histogram(SEARCH_BITS)
+"""The adaptive search's round."""
 
 TOTAL = Record("total", (Field("mass"),))
 """A top-p row's pool mass on this shard (integer units), summed over ranks."""

@@ -27,6 +27,8 @@ from vocabpar.wire.records import (
     TOTAL,
     Record,
     agreement,
+    folded,
+    histogram,
     round_one,
     score,
     settle,
@@ -213,6 +215,81 @@ def verify_paths(batch: int, drafts: int, draft_logits: bool, ranks: int, widest
 def verify_price(paths: tuple[VerifyPath, VerifyPath], ranks: int) -> Traffic:
     typical, worst = paths
     return between(price(verify_script(typical), ranks), price(verify_script(worst), ranks))
+
+
+# ---------------------------------------------------------------------- the engine's fixed scripts
+ENGINE_SEARCH_BITS = (11, 11, 10)
+ENGINE_FACTS = 10
+"""Words of the check an engine call folds into its first message: one per fact the ranks must
+share."""
+"""Key bits each histogram round of an engine threshold search resolves: three rounds always
+find the exact 32-bit key, whatever the logits hold (ties included)."""
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What an engine call sends, decided on the host from the batch's parameters alone: every
+    message carries ``rows`` (the sampler's ``max_rows``) rows whatever the call's batch.
+    ``candidates`` per rank in round one; ``facts`` words of the folded check; a top-k
+    threshold search, a top-p one, the draw's all-gather; ``top_n``: the logprob record's width
+    (``None``: no logprobs); with ``drafts`` (verification), the exact masses and the
+    correction's all-gather."""
+
+    rows: int
+    candidates: int = 0
+    facts: int = ENGINE_FACTS
+    top_k_search: bool = False
+    top_p_search: bool = False
+    draw: bool = False
+    top_n: int | None = None
+    drafts: bool = False
+
+
+def engine_plan(rows: int, ranks: int, widest: int, vocab: int, *, greedy: Sequence[bool],
+                top_k: Sequence[int], top_p: Sequence[float], min_p: Sequence[float],
+                top_n: int | None = None) -> EnginePlan:
+    """The plan of an engine ``sample`` call padded to ``rows`` rows, from its rows' parameters
+    alone (``widest``: the most real tokens one rank holds; ``top_k`` 0 is off). Candidates as
+    the adaptive sampler sends; with some rank's tokens unsent, a top-k beyond the candidates
+    takes a search, top-p on rows without such a small top-k takes one, and the token is drawn
+    by an all-gather; with every token sent, the candidates decide everything."""
+    sampled = [not g for g in greedy]
+    if not any(sampled):
+        return EnginePlan(rows, 0, top_n=top_n)
+    small = [k for s, k in zip(sampled, top_k) if s and 0 < k <= MAX_CANDIDATES]
+    c = candidate_count(ranks, widest, top_k=max(small, default=0),
+                        top_p=any(s and p < 1 for s, p in zip(sampled, top_p)),
+                        min_p=any(s and m > 0 for s, m in zip(sampled, min_p)))
+    unsent = c < widest
+    large_k = any(s and c < k < vocab for s, k in zip(sampled, top_k))
+    top_p_alone = any(s and p < 1 and not 0 < k <= c for s, k, p in zip(sampled, top_k, top_p))
+    return EnginePlan(rows, c, top_k_search=unsent and large_k, top_p_search=unsent and top_p_alone,
+                      draw=unsent, top_n=top_n)
+
+
+def engine_search_script(rows: int) -> Script:
+    return tuple(Message("all_reduce", histogram(bits), rows) for bits in ENGINE_SEARCH_BITS)
+
+
+def engine_sample_script(plan: EnginePlan) -> Script:
+    """The fixed script of :meth:`vocabpar.sampling.engine.Sampler.sample` (and, with
+    ``plan.drafts``, of ``verify``): the same collectives with the same sizes for any logits."""
+    rows = plan.rows
+    script = (Message("all_gather", folded(round_one(plan.candidates, ties=True), rows, plan.facts), 1),)
+    script += engine_search_script(rows) * (plan.top_k_search + plan.top_p_search)
+    if plan.draw:
+        script += (Message("all_gather", DRAW, rows),)
+    if plan.drafts:
+        script += Message("all_reduce", MASSES, rows), Message("all_gather", DRAW, rows)
+    if plan.top_n is not None:
+        script += score_script(rows, plan.top_n)
+    return script
+
+
+def engine_score_script(rows: int, top_n: int, facts: int) -> Script:
+    """The fixed script of the engine's ``token_logprobs``: the score all-gather carrying the
+    check, then the rank counts."""
+    return Message("all_gather", folded(score(top_n), rows, facts), 1), Message("all_reduce", LARGER, rows)
 
 
 # ---------------------------------------------------------------------- scoring

@@ -1,0 +1,224 @@
+"""The engine sampler's steps after round one, for whole blocks of rows: thresholds, the draw
+and speculative verification's masses and correction, each with the plan's collectives only.
+
+The numbers are those of the adaptive sampler (:mod:`vocabpar.sampling.sharded`) and the
+verifier (:mod:`vocabpar.sampling.verify`): exact integer masses, keyed Gumbel noise, the same
+tie rules. What changes is how they are reached: every row goes through every step the plan
+holds, masked instead of compacted, so no step reads a device value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
+
+import torch
+
+from vocabpar.sampling.dense import best_kept, first_max, residual, threshold
+from vocabpar.sampling.failures import Failures
+from vocabpar.sampling.noise import gumbel, row_keys
+from vocabpar.sampling.params import Rows
+from vocabpar.sampling.search import shard_keys
+from vocabpar.sampling.semantics import (
+    NEG_INF,
+    PAD_KEY,
+    accept_uniform,
+    accepts,
+    drawn_logits,
+    key_value,
+    mass,
+    merge_argmax,
+    min_p_threshold,
+    order_key,
+    top_p_pool,
+    top_p_target,
+)
+from vocabpar.wire.records import DRAW, MASSES
+from vocabpar.wire.scripts import EnginePlan
+
+if TYPE_CHECKING:  # the engine passes itself; typing only
+    from vocabpar.sampling.engine import Sampler
+
+
+def padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` ``[T, ...]`` as ``rows`` rows (zeros after it): a message of the fixed size."""
+    out = t.new_zeros((rows, *t.shape[1:]))
+    out[: t.shape[0]] = t
+    return out
+
+
+@dataclass
+class Choice:
+    """A call's state after round one: this shard's ``raw`` and processed logits ``x`` ``[B,
+    R]``, the columns' ``ids`` and ``real`` mask, the tokens so far, which rows are ``sampled``,
+    the per-row failure ``codes`` and the folded ``check`` (problems and rows per rank, facts
+    that differ). :meth:`sample` fills in the temperature, min-p bound and thresholds."""
+
+    raw: torch.Tensor
+    x: torch.Tensor
+    ids: torch.Tensor
+    real: torch.Tensor
+    tokens: torch.Tensor
+    sampled: torch.Tensor
+    codes: torch.Tensor
+    check: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    vocab: int
+    temperature: torch.Tensor | None = None
+    z_max: torch.Tensor | None = None
+    min_z: torch.Tensor | None = None
+    thr: torch.Tensor | None = None
+
+    def failures(self, where: str, names: tuple[str, ...]) -> Failures:
+        problems, rows, disagree = self.check
+        return Failures(where, self.codes, problems, rows, disagree[: len(names)], names)
+
+    def settle(self, tokens: torch.Tensor) -> Choice:
+        """Final tokens: -1 for failed rows."""
+        self.tokens = torch.where(self.codes > 0, -1, tokens)
+        return self
+
+    def drawn_from(self) -> torch.Tensor:
+        """The float32 logits each row was drawn from (processed logprobs)."""
+        if self.thr is None:
+            return self.x
+        return drawn_logits(self.x, self.temperature, self.kept(), self.sampled)
+
+    def kept(self, sel: torch.Tensor | slice = slice(None)) -> torch.Tensor:
+        """Bool ``[F, R]``: the kept tokens of rows ``sel``."""
+        x = self.x[sel]
+        z = x.double() / self.temperature[sel, None]
+        return (x >= self.thr[sel, None]) & (z >= self.min_z[sel, None])
+
+    def kept_mass(self, sel: torch.Tensor) -> torch.Tensor:
+        """int64 ``[F, R]``: exact masses of the kept tokens of rows ``sel``, 0 elsewhere."""
+        z = self.x[sel].double() / self.temperature[sel, None]
+        return torch.where(self.kept(sel), mass(z, self.z_max[sel, None], self.vocab), 0)
+
+    def sample(self, sampler: Sampler, rows: Rows, positions: torch.Tensor, plan: EnginePlan,
+               first: SimpleNamespace, best: torch.Tensor) -> Choice:
+        """Thresholds and the draw for the sampled rows (``first``: round one's gathered
+        fields, ``best``: each row's max). Steps:
+
+        1. top-k: the k-th largest value from the merged candidates when ``k <= c`` (or nothing
+           is unsent), else a threshold search (three histogram all-reduces);
+        2. top-p: from the candidates when the top-k set lies in them -- a cut that split a tied
+           group at the k-th value is counted from round one's tie counts -- else a search on
+           masses whose first round measures the total;
+        3. the draw: Gumbel-max over the kept tokens, among the candidates when nothing is
+           unsent, else one all-gather of each rank's best (score, id)."""
+        ranks, V, B, c = sampler.ranks, self.vocab, self.x.shape[0], plan.candidates
+        n, x, real, sampled = ranks.n, self.x, self.real, self.sampled
+        t = torch.where(sampled, rows.temperature, 1.0)
+        z_max = torch.where(sampled, best / t, 0.0)
+        min_z = min_p_threshold(z_max, rows.min_p)
+        cand = first.values.permute(1, 0, 2).reshape(B, n * c)  # [B, n·c]
+        cand_id = first.ids.permute(1, 0, 2).reshape(B, n * c)
+        cand_z = cand / t[:, None]
+        valid = cand_id >= 0
+        key_sorted, key_order = torch.where(valid, order_key(cand.float()), PAD_KEY).sort(1, descending=True)
+        unsent = torch.tensor([c < count for count in ranks.real_counts], device=x.device)
+        all_sent = not plan.draw  # the plan draws by all-gather exactly when some rank holds unsent tokens
+        # 1. top-k
+        k = rows.top_k
+        topk = sampled & (k > 0) & (k < V)
+        exact_k = topk & ((k <= c) | all_sent)
+        kth = key_sorted.gather(1, (k - 1).clamp(0, max(n * c - 1, 0))[:, None])[:, 0]
+        kappa = torch.where(exact_k, torch.where(kth == PAD_KEY, NEG_INF, key_value(kth)), NEG_INF)
+        keys = shard_keys(x, real) if plan.top_k_search or plan.top_p_search else None
+        if plan.top_k_search:
+            large = topk & ~exact_k
+            v = threshold(keys, torch.where(large[:, None] & real, 1, 0), k, ranks, plan.rows)
+            kappa = torch.where(large, key_value(v - 2**31), kappa)
+        # 2. top-p
+        topp = sampled & (rows.top_p < 1)
+        order = rows.filter_order
+        pool = valid & top_p_pool(cand, cand_z, kappa[:, None], min_z[:, None], order)
+        cand_mass = torch.where(pool, mass(cand_z, z_max[:, None], V), 0)
+        last = first.values[..., c - 1]  # [n, B]: each rank's c-th value
+        sent_tied = ((first.values == last[..., None]) & (first.ids >= 0)).sum(2)
+        tied = torch.where(unsent[:, None] & (last == kappa[None]), first.ties - sent_tied, 0).sum(0)
+        kappa_z = kappa.double() / t
+        tie_in = (kappa > NEG_INF) & ((kappa_z >= min_z) if order == "vllm" else True)
+        total = cand_mass.sum(1) + torch.where(tie_in, tied * mass(kappa_z, z_max, V), 0)
+        target = top_p_target(total, rows.top_p)
+        reached = (cand_mass.gather(1, key_order).cumsum(1) < target[:, None]).sum(1)
+        at = key_value(key_sorted.gather(1, reached.clamp(max=max(n * c - 1, 0))[:, None])[:, 0])
+        tau = torch.where(reached < pool.sum(1), at, kappa)
+        from_candidates = exact_k | all_sent
+        tau = torch.where(topp & from_candidates, tau, NEG_INF)
+        if plan.top_p_search:
+            search = topp & ~from_candidates
+            z = x.double() / t[:, None]
+            weight = top_p_pool(x, z, kappa[:, None], min_z[:, None], order) & real & search[:, None]
+            weight = torch.where(weight, mass(z, z_max[:, None], V), 0)
+            v = threshold(keys, weight, lambda measured: top_p_target(measured, rows.top_p), ranks, plan.rows)
+            tau = torch.where(search, key_value(v - 2**31), tau)
+        self.temperature, self.z_max, self.min_z = t, z_max, min_z
+        self.thr = torch.maximum(kappa, tau)
+        # 3. the draw
+        if plan.draw:
+            score, arg = best_kept(x, self.ids, self.kept() & sampled[:, None], t, rows.seed, positions)
+            got = DRAW.unpack(ranks.gather(padded(DRAW.pack(score=score, id=arg), plan.rows))[:, :B])
+            _, drawn = merge_argmax(got.score, got.id)
+        else:
+            keep = valid & (cand >= self.thr[:, None]) & (cand_z >= min_z[:, None])
+            noise = gumbel(row_keys(rows.seed, positions)[:, None, :], cand_id.clamp(min=0))
+            _, drawn = first_max(torch.where(keep, cand_z + noise, NEG_INF), torch.where(keep, cand_id, -1))
+        return self.settle(torch.where(sampled, drawn, self.tokens))
+
+
+class DraftPairs:
+    """Verification with draft logits: per (row, draft position), the target's and the draft's
+    exact kept masses and each one's mass of the draft token, summed over ranks in one
+    all-reduce of ``max_rows`` rows; and the correction after a rejection, drawn from
+    ``(p - q)+`` by one all-gather of ``max_rows`` rows."""
+
+    def __init__(self, sampler: Sampler, choice: Choice, rows: Rows, positions: torch.Tensor,
+                 drafts: torch.Tensor, drafted: list[int]) -> None:
+        B, k = drafts.shape
+        device = drafts.device
+        self.sampler, self.choice, self.rows, self.positions, self.k = sampler, choice, rows, positions, k
+        slot = [-1] * B
+        for s, b in enumerate(drafted):
+            slot[b] = s
+        pair_b = [b for b in range(B) for _ in range(k)]
+        pair_i = [i for _ in range(B) for i in range(k)]
+        # the draft row of a pair (the target row itself for rows without a draft: never weighed)
+        draft_row = [B * (k + 1) + slot[b] * k + i if slot[b] >= 0 else b * (k + 1) + i
+                     for b, i in zip(pair_b, pair_i)]
+        self.target_rows = torch.tensor([b * (k + 1) + i for b, i in zip(pair_b, pair_i)], device=device)
+        self.draft_rows = torch.tensor(draft_row, device=device)
+        has_draft = torch.tensor([s >= 0 for s in slot], device=device)
+        self.weighed = choice.sampled[: B * (k + 1)].view(B, k + 1)[:, :k] & has_draft[:, None]
+        ranks, layout = sampler.ranks, sampler.layout
+        cols, owned = layout.local_ids(drafts.reshape(-1), ranks.me)
+        cols, owned = cols.to(device), owned.to(device)
+        local = {}
+        for side, sel in (("target", self.target_rows), ("draft", self.draft_rows)):
+            m = choice.kept_mass(sel)
+            local[f"{side}_total"] = m.sum(1)
+            local[f"{side}_token"] = torch.where(owned, m.gather(1, cols[:, None])[:, 0], 0)
+        total = MASSES.pack(**local)
+        self.total = MASSES.unpack(ranks.sum(padded(total, sampler.max_rows))[: B * k])
+        seeds = rows.seed[:, None].expand(B, k)
+        u = accept_uniform(seeds, positions[:, None] + torch.arange(k, device=device)).reshape(-1)
+        self.accept = accepts(u, self.total.target_token, self.total.target_total, self.total.draft_token,
+                              self.total.draft_total).view(B, k)
+
+    def correct(self, last: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+        """The correction of each row that rejected a weighed draft, else ``last``; a row where
+        ``p <= q`` everywhere (only when rounding makes them equal) keeps the target's draw."""
+        k, choice = self.k, self.choice
+        B = last.shape[0]
+        j = accepted.clamp(max=k - 1)
+        rejected = (accepted < k) & self.weighed.gather(1, j[:, None])[:, 0]
+        pair = torch.arange(B, device=last.device) * k + j
+        scores = residual(choice.kept_mass(self.target_rows[pair]), self.total.target_total[pair],
+                          choice.kept_mass(self.draft_rows[pair]), self.total.draft_total[pair],
+                          self.rows.seed, self.positions + j, choice.ids)
+        best, arg = first_max(scores, choice.ids)
+        ranks = self.sampler.ranks
+        got = DRAW.unpack(ranks.gather(padded(DRAW.pack(score=best, id=arg), self.sampler.max_rows))[:, :B])
+        score, token = merge_argmax(got.score, got.id)
+        return torch.where(rejected & (score > NEG_INF), token, last)
