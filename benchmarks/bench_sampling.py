@@ -1,7 +1,10 @@
 """Distributed sampling vs gather-then-sample on 4 local gloo ranks (B=256, V=129280, FP32).
 
-Run: ``.venv/bin/python benchmarks/bench_sampling.py [--iters N]``. For each configuration both
-paths run in the same processes on the same logits; times are the slowest rank's mean per step,
+Run: ``.venv/bin/python benchmarks/bench_sampling.py [--iters N]``. For each configuration the
+three paths -- the functional ``sample()`` (adaptive), the engine ``Sampler`` (fixed script, no
+host read, its check folded in) and gather-then-sample -- run in the same processes on the same
+logits; ``reads`` counts host reads of device values per call (``vocabpar.host_reads``: each one a
+device synchronisation on a GPU); times are the slowest rank's mean per step,
 bytes are what one rank sends per step and ``coll`` the collectives per ``sample()`` call (comm
 counters; the per-call agreement check is off, as in production -- it adds one 256-byte
 all-gather), and ``x floor`` divides by the floor: one local pass over the shard (row max) plus
@@ -18,7 +21,9 @@ from pathlib import Path
 import torch
 
 from vocabpar import SamplingParams, VocabLayout, comm, sample
+from vocabpar.host_reads import counting
 from vocabpar.launch import run
+from vocabpar.sampling import Sampler
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import measure  # noqa: E402
@@ -73,18 +78,30 @@ def _floor(local: torch.Tensor) -> torch.Tensor:
     return comm.all_gather(pairs)
 
 
+def _reads(fn) -> int:
+    with counting() as reads:
+        fn()
+    return sum(reads.values())
+
+
 def _bench(iters: int) -> dict:
     layout = VocabLayout(V, N)
+    sampler = Sampler(layout, max_rows=B)
     pos = torch.arange(B)
     out = {}
     for name, (kind, params) in CONFIGS.items():
         local = _logits(kind, layout)
         p = SamplingParams(**{**params.__dict__, "seed": list(range(B))})
+        batch = sampler.prepare(p, positions=pos)
+        functional = lambda local=local, p=p: sample(local, layout, p, positions=pos, check=False)  # noqa: E731
+        engine = lambda local=local, batch=batch: sampler.sample(local, batch)  # noqa: E731
+        assert torch.equal(functional().tokens, engine().tokens)
         out[name] = {
             "floor": measure(lambda local=local: _floor(local), iters),
-            "sharded": measure(lambda local=local, p=p: sample(local, layout, p, positions=pos, check=False),
-                             iters),
+            "sharded": measure(functional, iters),
+            "engine": measure(engine, iters),
             "gather": measure(lambda local=local, q=params: _gather_then_sample(local, layout, q), iters),
+            "reads": (_reads(functional), _reads(engine)),
         }
     return out
 
@@ -96,17 +113,28 @@ def main() -> None:
     per_rank = run(_bench, N, args.iters, run_timeout=1800, timeout=300)
     print(f"B={B} V={V} ranks={N} gloo, FP32; time = slowest rank, mean of {args.iters} steps; "
           "bytes = sent per rank per step")
-    head = f"{'config':<26}{'coll':>5}{'sharded ms':>11}{'gather ms':>11}{'speed-up':>9}{'sharded B':>11}" \
-           f"{'gather B':>12}{'bytes x':>9}{'sh/floor':>9}{'ga/floor':>9}"
+    head = f"{'config':<26}{'coll':>5}{'reads':>6}{'sharded ms':>11}{'gather ms':>11}{'speed-up':>9}" \
+           f"{'sharded B':>11}{'gather B':>12}{'bytes x':>9}{'sh/floor':>9}{'ga/floor':>9}"
+    print("functional sample() (adaptive) vs gather-then-sample")
     print(head)
     for name in CONFIGS:
         t = {k: max(r[name][k][0] for r in per_rank) for k in ("floor", "sharded", "gather")}
         b = {k: per_rank[0][name][k][1] for k in ("sharded", "gather")}
         calls = max(r[name]["sharded"][2] for r in per_rank)
-        print(f"{name:<26}{calls:>5}{t['sharded'] * 1e3:>11.1f}{t['gather'] * 1e3:>11.1f}"
+        reads = max(r[name]["reads"][0] for r in per_rank)
+        print(f"{name:<26}{calls:>5}{reads:>6}{t['sharded'] * 1e3:>11.1f}{t['gather'] * 1e3:>11.1f}"
               f"{t['gather'] / t['sharded']:>8.1f}x"
               f"{b['sharded']:>11,}{b['gather']:>12,}{b['gather'] / max(b['sharded'], 1):>8.0f}x"
               f"{t['sharded'] / t['floor']:>8.1f}x{t['gather'] / t['floor']:>8.1f}x")
+    print("\nengine Sampler (fixed script, check folded in) vs the functional sample()")
+    print(f"{'config':<26}{'coll':>5}{'reads':>6}{'engine ms':>10}{'engine B':>12}{'eng/floor':>10}"
+          f"{'eng/func':>9}")
+    for name in CONFIGS:
+        t = {k: max(r[name][k][0] for r in per_rank) for k in ("floor", "sharded", "engine")}
+        calls = max(r[name]["engine"][2] for r in per_rank)
+        reads = max(r[name]["reads"][1] for r in per_rank)
+        print(f"{name:<26}{calls:>5}{reads:>6}{t['engine'] * 1e3:>10.1f}{per_rank[0][name]['engine'][1]:>12,}"
+              f"{t['engine'] / t['floor']:>9.1f}x{t['engine'] / t['sharded']:>8.1f}x")
     floor = max(r["greedy"]["floor"][0] for r in per_rank)
     print(f"floor (row max + all-gather of 16 B/row): {floor * 1e3:.1f} ms")
 

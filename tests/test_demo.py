@@ -1,6 +1,6 @@
+import contextlib
+import io
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -13,11 +13,14 @@ pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def demo():
-    """One small demo run (2 ranks, 3 prompts, 3 new tokens) through the CLI, as its --json data."""
-    done = subprocess.run([sys.executable, "-m", "vocabpar", "demo", "--ranks", "2", "--batch", "3",
-                           "--tokens", "3", "--json", "--quiet"], capture_output=True, text=True, timeout=300)
-    assert done.stdout, done.stderr
-    return done.returncode, json.loads(done.stdout)
+    """One small demo run (2 ranks, 3 prompts, 3 new tokens) through the CLI, as its --json data
+    (in this process: ``python -m vocabpar`` itself is test_cli's)."""
+    from vocabpar.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main(["demo", "--ranks", "2", "--batch", "3", "--tokens", "3", "--json", "--quiet"])
+    return status, json.loads(out.getvalue())
 
 
 def test_every_design_generates_the_reference_tokens(demo):

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from vocabpar import launch
 from vocabpar.hashing import fingerprint
 from vocabpar.wire.records import agreement, agreement_words
 from vocabpar.wire.traffic import all_gather_bytes, all_reduce_bytes
@@ -141,12 +142,25 @@ def _named_failure(kind: str, nbytes: int, group: ProcessGroup) -> Iterator[None
 
 
 # ---------------------------------------------------------------------- group facts
+def _group_up() -> bool:
+    """Whether a process group exists. Under torchrun the first question sets the default group
+    up (:func:`vocabpar.launch.init`), so a script never runs unsharded without noticing."""
+    if dist.is_initialized():
+        return True
+    if launch.under_torchrun():
+        launch.init()
+        return True
+    return False
+
+
 def world_size(group: ProcessGroup = None) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
+    """Ranks in ``group`` (the world by default); 1 without a process group."""
+    return dist.get_world_size(group) if _group_up() else 1
 
 
 def rank(group: ProcessGroup = None) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
+    """This process's rank in ``group``; 0 without a process group."""
+    return dist.get_rank(group) if _group_up() else 0
 
 
 def same_group(a: ProcessGroup, b: ProcessGroup) -> bool:

@@ -1,0 +1,326 @@
+"""The engine ``Sampler`` on real gloo ranks: tokens equal the single-device reference, zero host
+reads per call, one fixed collective script per plan (the same for any logits and any batch
+under ``max_rows``, equal to the planner's price), failures as flags that raise the same error
+on every rank. One launch per world size runs every check; the main process compares."""
+
+import dataclasses
+import functools
+import math
+
+import pytest
+import torch
+
+from vocabpar import SamplingParams, VocabLayout, comm, reference_sample, reference_verify, sample
+from vocabpar.host_reads import counting
+from vocabpar.launch import run
+from vocabpar.sampling import Sampler, TokenCounts
+from vocabpar.wire.scripts import calls, engine_plan, engine_sample_script, price
+
+V, ORG, MAX_ROWS, K = 2500, 2490, 12, 3
+SIZES = (7, 12)  # two batches under one max_rows
+COUNTED = (2, 4)
+"""World sizes at which host reads are counted and both batch sizes run (the counter's Python
+hook slows every op; 1 and 3 ranks check tokens on the full batch)."""
+
+
+def _layouts(n: int) -> list[VocabLayout]:
+    return [VocabLayout(V, n, org_vocab_size=ORG, pad_to=8, scheme="padded"),
+            VocabLayout(V, n, org_vocab_size=ORG, scheme="uneven"),
+            VocabLayout(V, n, org_vocab_size=ORG, scheme="replicated")]
+
+
+def _families() -> dict[str, torch.Tensor]:
+    """Peaked, flat, Zipf and heavily tied rows (bf16-rounded values from a narrow range)."""
+    g = torch.Generator().manual_seed(5)
+    zipf = torch.stack([-1.1 * torch.log1p(torch.randperm(V, generator=g).float()) for _ in range(MAX_ROWS)])
+    tied = (torch.randint(0, 6, (MAX_ROWS, V), generator=g).float() * 0.25).bfloat16().float()
+    return {"peaked": torch.randn(MAX_ROWS, V, generator=g) * 5,
+            "flat": torch.randn(MAX_ROWS, V, generator=g) * 0.5,
+            "zipf": zipf + torch.randn(MAX_ROWS, V, generator=g) * 0.1, "tied": tied}
+
+
+FAMILIES = _families()
+CONFIGS = {
+    "greedy": SamplingParams(temperature=0),
+    "full": SamplingParams(temperature=0.8, top_k=50, top_p=0.95, min_p=0.05),
+    "top-p 0.9": SamplingParams(top_p=0.9),
+    "top-k 1000": SamplingParams(top_k=1000),
+    "min-p 0.1": SamplingParams(min_p=0.1),
+    "vllm order": SamplingParams(top_p=0.8, min_p=0.2, filter_order="vllm"),
+    "top-k and top-p": SamplingParams(top_k=700, top_p=0.7),
+    "logprobs raw": SamplingParams(top_p=0.9, logprobs=5),
+    "logprobs processed": SamplingParams(temperature=0.7, top_k=40, logprobs=3, logprobs_of="processed"),
+}
+PER_ROW = ("temperature", "top_k", "top_p", "min_p")
+
+
+def _params(config: str, B: int) -> SamplingParams:
+    return dataclasses.replace(CONFIGS[config], seed=list(range(11, 11 + B)))
+
+
+def _penalised(B: int) -> tuple[SamplingParams, TokenCounts, torch.Tensor]:
+    """Mixed per-row parameters (greedy rows among them) with penalties and a bitmask."""
+    g = torch.Generator().manual_seed(9)
+    params = SamplingParams(temperature=[0, 0.9, 1.2, 0.6] * (B // 4) + [1.0] * (B % 4),
+                            top_k=[0, 30, 0, 900] * (B // 4) + [0] * (B % 4), top_p=0.9, min_p=0.02,
+                            repetition_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.1,
+                            seed=list(range(B)))
+    history = [torch.randint(0, V, (6,), generator=g).tolist() for _ in range(B)]
+    counts = TokenCounts.from_history(history, [h[:2] for h in history])
+    allowed = torch.rand(B, V, generator=g) < 0.7
+    bits = torch.zeros(B, math.ceil(V / 32) * 32, dtype=torch.long)
+    bits[:, :V] = allowed.long()
+    packed = (bits.view(B, -1, 32) << torch.arange(32)).sum(-1)
+    return params, counts, torch.where(packed >= 2**31, packed - 2**32, packed).int()
+
+
+def _shard(full: torch.Tensor, layout: VocabLayout, junk: float = float("nan")) -> torch.Tensor:
+    ids = layout.local_token_ids(0 if layout.scheme == "replicated" else comm.rank())
+    return torch.where(ids >= 0, full[..., ids.clamp(min=0)], junk)
+
+
+def _call(fn, *args, **kwargs):
+    """(result, host reads (-1: not counted), (kind, bytes) of each collective) of one call."""
+    if comm.world_size() not in COUNTED:
+        with comm.recording() as sent:
+            return fn(*args, **kwargs), -1, sent
+    with counting() as reads, comm.recording() as sent:
+        out = fn(*args, **kwargs)
+    return out, sum(reads.values()), sent
+
+
+def _sizes() -> tuple[int, ...]:
+    return SIZES if comm.world_size() in COUNTED else SIZES[-1:]
+
+
+def _engine_all():
+    n = comm.world_size()
+    out = {}
+    for layout in _layouts(n):
+        sampler = Sampler(layout, max_rows=MAX_ROWS, max_top_n=5)
+        for family, full in FAMILIES.items():
+            for config in CONFIGS:
+                for B in _sizes():
+                    batch = sampler.prepare(_params(config, B), positions=torch.arange(B) * 3)
+                    local = _shard(full[:B], layout)
+                    out["sample", layout.scheme, family, config, B] = _call(sampler.sample, local, batch)
+        for B in _sizes():
+            params, counts, mask = _penalised(B)
+            batch = sampler.prepare(params, positions=torch.arange(B), token_counts=counts, bitmask=mask)
+            local = _shard(FAMILIES["peaked"][:B], layout)
+            out["penalised", layout.scheme, B] = _call(sampler.sample, local, batch)
+        for top_n in (0, 5):
+            ids = torch.arange(MAX_ROWS) * 197 % V
+            local = _shard(FAMILIES["zipf"], layout)
+            out["score", layout.scheme, top_n] = _call(sampler.token_logprobs, local, ids, top_n=top_n)
+        verifier = Sampler(layout, max_rows=3 * (2 * K + 1))
+        for family in ("peaked", "flat"):
+            target = FAMILIES[family][:12].reshape(3, K + 1, V)
+            draft, drafts = _drafts(target)
+            for config in ("greedy", "full", "top-p 0.9"):
+                for with_logits in (False, True):
+                    batch = verifier.prepare(_params(config, 3), positions=torch.tensor([4, 9, 20]))
+                    local_draft = _shard(draft, layout) if with_logits else None
+                    out["verify", layout.scheme, family, config, with_logits] = _call(
+                        verifier.verify, _shard(target, layout), batch, drafts, local_draft)
+        unchecked = Sampler(layout, max_rows=MAX_ROWS, check=False)
+        batch = unchecked.prepare(_params("top-p 0.9", 12), positions=torch.arange(12) * 3)
+        out["unchecked", layout.scheme] = _call(unchecked.sample, _shard(FAMILIES["flat"], layout), batch)
+    out["failures"] = _failures(n)
+    return out
+
+
+def _drafts(target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft logits near the target's and draft tokens: the target's argmax, one unlikely one."""
+    draft = FAMILIES["zipf"][:9].reshape(3, K, V) * 0.5 + target[:, :K] * 0.5
+    drafts = target[:, :K].argmax(-1)
+    drafts[1, 1] = 7
+    return draft, drafts
+
+
+def _failures(n: int) -> dict:
+    """Bad input on one rank and bad rows: no exception inside the calls, the same message from
+    ``raise_if_failed`` on every rank, and the next call still exact."""
+    layout = _layouts(n)[0]
+    sampler = Sampler(layout, max_rows=MAX_ROWS, max_top_n=2)
+    verifier = Sampler(layout, max_rows=3 * (K + 1))
+    me, B = comm.rank(), 6
+    full = FAMILIES["peaked"][:B].clone()
+    full[2, 40] = float("nan")
+    full[4] = float("-inf")
+    seen = {}
+
+    def message(out) -> str:
+        try:
+            out.raise_if_failed()
+            return "no error"
+        except ValueError as e:
+            return str(e)
+
+    batch = sampler.prepare(_params("top-p 0.9", B), positions=torch.arange(B))
+    out = sampler.sample(_shard(full, layout), batch)
+    seen["bad rows"] = message(out), out.tokens
+    shifted = torch.arange(B) + (1 if me == 1 else 0)
+    batch = sampler.prepare(_params("full", B), positions=shifted)
+    seen["positions"] = message(sampler.sample(_shard(FAMILIES["flat"][:B], layout), batch))
+    drafts = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    if me == n - 1:
+        drafts[2, 1] = V + 5
+    batch = verifier.prepare(_params("top-p 0.9", 3), positions=torch.arange(3))
+    target = _shard(FAMILIES["flat"][:12].reshape(3, K + 1, V), layout)
+    seen["draft id"] = message(verifier.verify(target, batch, drafts))
+    batch = sampler.prepare(_params("top-p 0.9", B), positions=torch.arange(B))
+    seen["afterwards"] = sampler.sample(_shard(FAMILIES["flat"][:B], layout), batch).tokens
+    return seen
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4])
+def engine(request):
+    return request.param, run(_engine_all, request.param, timeout=120, threads_per_rank=1)
+
+
+@functools.cache
+def _reference(family: str, config: str, B: int):
+    return reference_sample(FAMILIES[family][:B], _params(config, B), positions=torch.arange(B) * 3)
+
+
+@functools.cache
+def _reference_penalised(B: int):
+    params, counts, mask = _penalised(B)
+    return reference_sample(FAMILIES["peaked"][:B], params, positions=torch.arange(B), token_counts=counts,
+                            bitmask=mask)
+
+
+@functools.cache
+def _reference_verify(family: str, config: str, with_logits: bool):
+    target = FAMILIES[family][:12].reshape(3, K + 1, V)
+    draft, drafts = _drafts(target)
+    return reference_verify(target, _params(config, 3), drafts, positions=torch.tensor([4, 9, 20]),
+                            draft_logits=draft if with_logits else None)
+
+
+@pytest.mark.exact
+def test_tokens_and_logprobs_equal_the_reference(engine):
+    n, per_rank = engine
+    for out in per_rank:
+        sampled = [key for key in out if key[0] == "sample"]
+        assert len(sampled) == 3 * len(FAMILIES) * len(CONFIGS) * (len(SIZES) if n in COUNTED else 1)
+        for key in sampled:
+            got, ref = out[key][0], _reference(*key[2:])
+            got.raise_if_failed()
+            assert torch.equal(got.tokens, ref.tokens), (n, key)
+            if ref.logprob is not None:
+                _assert_logprobs(got, ref, (n, key))
+        for key in (k for k in out if k[0] == "penalised"):
+            assert torch.equal(out[key][0].tokens, _reference_penalised(key[2]).tokens), (n, key)
+
+
+def _assert_logprobs(got, ref, where) -> None:
+    assert torch.equal(got.top_ids, ref.top_ids) and torch.equal(got.rank, ref.rank), where
+    close = functools.partial(torch.testing.assert_close, atol=1e-5, rtol=0, equal_nan=True)
+    close(got.logprob, ref.logprob)
+    close(got.top_logprobs, ref.top_logprobs)
+
+
+@pytest.mark.exact
+def test_verification_equals_the_reference(engine):
+    n, per_rank = engine
+    for out in per_rank:
+        for key, result in out.items():
+            if key[0] != "verify":
+                continue
+            got, ref = result[0], _reference_verify(*key[2:])
+            got.raise_if_failed()
+            assert torch.equal(got.accepted, ref.accepted) and torch.equal(got.tokens, ref.tokens), (n, key)
+
+
+def test_token_logprobs_equal_log_softmax(engine):
+    n, per_rank = engine
+    ids = torch.arange(MAX_ROWS) * 197 % V
+    full = FAMILIES["zipf"].double()
+    logp = torch.log_softmax(full, 1)
+    for out in per_rank:
+        for scheme in ("padded", "uneven", "replicated"):
+            for top_n in (0, 5):
+                got, _, _ = out["score", scheme, top_n]
+                got.raise_if_failed()
+                want = logp.gather(1, ids[:, None])[:, 0]
+                torch.testing.assert_close(got.logprobs.double(), want, atol=2e-5, rtol=0)
+                assert torch.equal(got.ranks, 1 + (full > full.gather(1, ids[:, None])).sum(1))
+                assert torch.equal(got.top_ids, torch.sort(-full, dim=1, stable=True).indices[:, :top_n])
+
+
+def test_no_host_read_in_any_call(engine):
+    n, per_rank = engine
+    if n not in COUNTED:
+        pytest.skip(f"host reads are counted at {COUNTED} ranks")
+    for out in per_rank:
+        reads = {key: value[1] for key, value in out.items() if key != "failures"}
+        assert reads and not any(reads.values()), {k: r for k, r in reads.items() if r}
+
+
+def test_one_fixed_script_per_plan_priced_as_the_planner_prices_it(engine):
+    """Measured == the call's script, message for message; the script does not depend on the
+    logits family or the batch size; it equals the planner's price of the configuration; the
+    folded check costs no collective (checked == unchecked)."""
+    n, per_rank = engine
+    for out in per_rank:
+        for layout in _layouts(n):
+            scheme = layout.scheme
+            ranks = 1 if scheme == "replicated" else n
+            widest = min(max(s.num_org + s.num_added for s in layout.shards), V) if ranks > 1 else V
+            for config, params in CONFIGS.items():
+                scripts = set()
+                for family in FAMILIES:
+                    for B in SIZES if n in COUNTED else SIZES[-1:]:
+                        got, _, sent = out["sample", scheme, family, config, B]
+                        assert sent == calls(got.script, ranks), (n, scheme, family, config, B)
+                        scripts.add(got.script)
+                assert len(scripts) == 1, (n, scheme, config)
+                rows = {f: [getattr(params, f)] for f in PER_ROW}
+                top_n = 5 if params.logprobs is not None else None
+                planned = engine_sample_script(engine_plan(
+                    MAX_ROWS, ranks, widest, V, greedy=[params.temperature == 0], top_k=rows["top_k"],
+                    top_p=rows["top_p"], min_p=rows["min_p"], top_n=top_n))
+                assert price(planned, ranks) == price(scripts.pop(), ranks), (n, scheme, config)
+            checked, _, sent_checked = out["sample", scheme, "flat", "top-p 0.9", 12]
+            _, _, sent_unchecked = out["unchecked", scheme]
+            assert len(sent_checked) == len(sent_unchecked) and sent_checked == sent_unchecked, scheme
+            if ranks > 1:
+                counts = {config: len(out["sample", scheme, "flat", config, 12][2]) for config in CONFIGS}
+                assert counts["greedy"] == 1 and counts["full"] <= 2, counts
+                assert max(counts[c] for c in ("top-p 0.9", "top-k 1000", "min-p 0.1")) <= 5, counts
+
+
+def test_failures_are_flags_raised_alike_on_every_rank(engine):
+    n, per_rank = engine
+    seen = [out["failures"] for out in per_rank]
+    bad_rows = {s["bad rows"][0] for s in seen}
+    assert len(bad_rows) == 1 and "rows [2] contain NaN logits" in bad_rows.pop()
+    for s in seen:
+        tokens = s["bad rows"][1]
+        assert tokens[2] == -1 and tokens[4] == -1
+        fine = [0, 1, 3, 5]
+        params = dataclasses.replace(_params("top-p 0.9", 6), seed=[11 + b for b in fine])
+        ref = reference_sample(FAMILIES["peaked"][fine], params, positions=torch.tensor(fine))
+        assert torch.equal(tokens[fine], ref.tokens)
+        assert "rows [4] have no allowed token" in s["bad rows"][0]
+    positions = {s["positions"] for s in seen}
+    assert len(positions) == 1
+    assert ("ranks disagree on positions" in positions.pop()) == (n > 1)
+    draft_id = {s["draft id"] for s in seen}
+    assert len(draft_id) == 1 and f"rank {n - 1} passed a draft token outside" in draft_id.pop()
+    ref = reference_sample(FAMILIES["flat"][:6], _params("top-p 0.9", 6), positions=torch.arange(6)).tokens
+    assert all(torch.equal(s["afterwards"], ref) for s in seen)
+
+
+def test_forced_token_rows_keep_logprobs_for_the_others():
+    """A +inf row is a valid forced-token row: with logprobs it gets log_softmax's NaN and every
+    other row stays exact (functional API, one rank)."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    logits[1, 7] = float("inf")
+    layout = VocabLayout(50, 1, scheme="replicated")
+    out = sample(logits, layout, SamplingParams(logprobs=2), positions=torch.arange(3))
+    assert out.tokens[1] == 7 and out.logprob[1].isnan()
+    want = torch.log_softmax(logits.double(), 1).gather(1, out.tokens[:, None])[:, 0]
+    torch.testing.assert_close(out.logprob[[0, 2]].double(), want[[0, 2]], atol=1e-5, rtol=0)
