@@ -324,3 +324,25 @@ def test_forced_token_rows_keep_logprobs_for_the_others():
     assert out.tokens[1] == 7 and out.logprob[1].isnan()
     want = torch.log_softmax(logits.double(), 1).gather(1, out.tokens[:, None])[:, 0]
     torch.testing.assert_close(out.logprob[[0, 2]].double(), want[[0, 2]], atol=1e-5, rtol=0)
+
+
+def test_construction_and_prepare_reject_bad_input_in_one_line():
+    layout = VocabLayout(100, 1, scheme="replicated")
+    for kwargs, message in ((dict(max_rows=0), "max_rows must be an int"),
+                            (dict(max_rows=4, max_top_n=-1), "max_top_n must be an int"),
+                            (dict(max_rows=4, max_top_n=101), "at most vocab_size=100")):
+        with pytest.raises(ValueError, match=message):
+            Sampler(layout, **kwargs)
+    sampler = Sampler(layout, max_rows=4, max_top_n=2)
+    for params, positions, message in ((SamplingParams(), torch.arange(5), "exceeds max_rows=4"),
+                                       (SamplingParams(logprobs=3), torch.arange(2), "max_top_n=2"),
+                                       (SamplingParams(), torch.zeros(2, 2), "1-D"),
+                                       (SamplingParams(top_p=[0.5, 0.7, 0.9]), torch.arange(2), "top_p")):
+        with pytest.raises(ValueError, match=message):
+            sampler.prepare(params, positions=positions)
+    batch = sampler.prepare(SamplingParams(), positions=torch.arange(2))
+    with pytest.raises(ValueError, match="top_n must be an int"):
+        sampler.token_logprobs(torch.zeros(2, 100), torch.arange(2), top_n=3)
+    out = sampler.sample(torch.zeros(2, 99), batch)  # a wrong width is a flag, not an exception
+    with pytest.raises(ValueError, match="rank 0 passed logits of the wrong dtype or shape"):
+        out.raise_if_failed()

@@ -289,6 +289,7 @@ def sample_rows(full: torch.Tensor, params: SamplingParams, positions: torch.Ten
     """Reference-sample the logits ``full`` of batch rows ``rows`` (per-row values sliced)."""
     if full.shape[0] == 0:
         return torch.empty(0, dtype=torch.long, device=full.device)
+    params = params.with_row_seeds(positions.shape[0])  # a row's seed is the one it has in the batch
     # each field converted at the dtype it resolves to (a list of floats read as float32 would
     # round temperatures differently from the sharded sampler)
     given = {name: torch.as_tensor(getattr(params, name), dtype=dtype) for name, dtype in ROW_FIELDS.items()}

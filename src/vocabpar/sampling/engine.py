@@ -108,8 +108,11 @@ class Sampler:
         rows' tensors go to ``device`` (default: the group's device)."""
         device = torch.device(device) if device is not None else comm.device(self.group)
         V = self.layout.vocab_size
-        pos = check_positions(positions, len(positions) if hasattr(positions, "__len__") else -1)
+        pos = torch.as_tensor(positions)
+        if pos.dim() != 1:
+            raise ValueError(f"positions must be one integer per row (1-D), got shape {tuple(pos.shape)}")
         B = pos.shape[0]
+        pos = check_positions(pos, B)
         if B > self.max_rows:
             raise ValueError(f"batch of {B} rows exceeds max_rows={self.max_rows}")
         host = params.resolve(B, V)
@@ -208,7 +211,8 @@ class Sampler:
         accept = drafts == drawn[:, :k]
         pairs = None
         if drafted:
-            pairs = DraftPairs(self, choice, batch.rows, batch.positions, drafts, drafted)
+            pairs = DraftPairs(self.ranks, self.layout, self.max_rows, choice, batch.rows, batch.positions,
+                               drafts, drafted)
             accept = torch.where(pairs.weighed, pairs.accept, accept)
         accepted = accept.long().cumprod(1).sum(1)
         last = drawn.gather(1, accepted[:, None])[:, 0]
@@ -315,7 +319,7 @@ class Sampler:
         choice = Choice(raw, x, ids, real, tokens, sampled, codes, check, V)
         if c == 0:
             return choice.settle(tokens)
-        return choice.sample(self, rows, positions, plan, first, best)
+        return choice.sample(self.ranks, rows, positions, plan, first, best)
 
 
 def _fine(device: torch.device) -> torch.Tensor:

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
 
 import torch
 
+from vocabpar.layout import VocabLayout
 from vocabpar.sampling.dense import best_kept, first_max, residual, threshold
 from vocabpar.sampling.failures import Failures
 from vocabpar.sampling.noise import gumbel, row_keys
 from vocabpar.sampling.params import Rows
+from vocabpar.sampling.ranks import Ranks
 from vocabpar.sampling.search import shard_keys
 from vocabpar.sampling.semantics import (
     NEG_INF,
@@ -36,9 +37,6 @@ from vocabpar.sampling.semantics import (
 )
 from vocabpar.wire.records import DRAW, MASSES
 from vocabpar.wire.scripts import EnginePlan
-
-if TYPE_CHECKING:  # the engine passes itself; typing only
-    from vocabpar.sampling.engine import Sampler
 
 
 def padded(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -95,7 +93,7 @@ class Choice:
         z = self.x[sel].double() / self.temperature[sel, None]
         return torch.where(self.kept(sel), mass(z, self.z_max[sel, None], self.vocab), 0)
 
-    def sample(self, sampler: Sampler, rows: Rows, positions: torch.Tensor, plan: EnginePlan,
+    def sample(self, ranks: Ranks, rows: Rows, positions: torch.Tensor, plan: EnginePlan,
                first: SimpleNamespace, best: torch.Tensor) -> Choice:
         """Thresholds and the draw for the sampled rows (``first``: round one's gathered
         fields, ``best``: each row's max). Steps:
@@ -107,7 +105,7 @@ class Choice:
            masses whose first round measures the total;
         3. the draw: Gumbel-max over the kept tokens, among the candidates when nothing is
            unsent, else one all-gather of each rank's best (score, id)."""
-        ranks, V, B, c = sampler.ranks, self.vocab, self.x.shape[0], plan.candidates
+        V, B, c = self.vocab, self.x.shape[0], plan.candidates
         n, x, real, sampled = ranks.n, self.x, self.real, self.sampled
         t = torch.where(sampled, rows.temperature, 1.0)
         z_max = torch.where(sampled, best / t, 0.0)
@@ -174,11 +172,12 @@ class DraftPairs:
     all-reduce of ``max_rows`` rows; and the correction after a rejection, drawn from
     ``(p - q)+`` by one all-gather of ``max_rows`` rows."""
 
-    def __init__(self, sampler: Sampler, choice: Choice, rows: Rows, positions: torch.Tensor,
-                 drafts: torch.Tensor, drafted: list[int]) -> None:
+    def __init__(self, ranks: Ranks, layout: VocabLayout, max_rows: int, choice: Choice, rows: Rows,
+                 positions: torch.Tensor, drafts: torch.Tensor, drafted: list[int]) -> None:
         B, k = drafts.shape
         device = drafts.device
-        self.sampler, self.choice, self.rows, self.positions, self.k = sampler, choice, rows, positions, k
+        self.ranks, self.max_rows, self.choice, self.rows, self.positions, self.k = (
+            ranks, max_rows, choice, rows, positions, k)
         slot = [-1] * B
         for s, b in enumerate(drafted):
             slot[b] = s
@@ -191,7 +190,6 @@ class DraftPairs:
         self.draft_rows = torch.tensor(draft_row, device=device)
         has_draft = torch.tensor([s >= 0 for s in slot], device=device)
         self.weighed = choice.sampled[: B * (k + 1)].view(B, k + 1)[:, :k] & has_draft[:, None]
-        ranks, layout = sampler.ranks, sampler.layout
         cols, owned = layout.local_ids(drafts.reshape(-1), ranks.me)
         cols, owned = cols.to(device), owned.to(device)
         local = {}
@@ -200,7 +198,7 @@ class DraftPairs:
             local[f"{side}_total"] = m.sum(1)
             local[f"{side}_token"] = torch.where(owned, m.gather(1, cols[:, None])[:, 0], 0)
         total = MASSES.pack(**local)
-        self.total = MASSES.unpack(ranks.sum(padded(total, sampler.max_rows))[: B * k])
+        self.total = MASSES.unpack(ranks.sum(padded(total, max_rows))[: B * k])
         seeds = rows.seed[:, None].expand(B, k)
         u = accept_uniform(seeds, positions[:, None] + torch.arange(k, device=device)).reshape(-1)
         self.accept = accepts(u, self.total.target_token, self.total.target_total, self.total.draft_token,
@@ -218,7 +216,7 @@ class DraftPairs:
                           choice.kept_mass(self.draft_rows[pair]), self.total.draft_total[pair],
                           self.rows.seed, self.positions + j, choice.ids)
         best, arg = first_max(scores, choice.ids)
-        ranks = self.sampler.ranks
-        got = DRAW.unpack(ranks.gather(padded(DRAW.pack(score=best, id=arg), self.sampler.max_rows))[:, :B])
+        message = padded(DRAW.pack(score=best, id=arg), self.max_rows)
+        got = DRAW.unpack(self.ranks.gather(message)[:, :B])
         score, token = merge_argmax(got.score, got.id)
         return torch.where(rejected & (score > NEG_INF), token, last)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from vocabpar.hashing import M32, fmix32
+
 GREEDY_BELOW = 1e-5
 """A temperature below this is greedy decoding (vLLM's ``_SAMPLING_EPS``)."""
 
@@ -39,16 +41,52 @@ ROW_FIELDS = {"temperature": torch.float64, "top_k": torch.int64, "top_p": torch
               "frequency_penalty": torch.float32, "seed": torch.int64}
 """The per-row fields of :class:`SamplingParams` and the dtype each resolves to."""
 
+RULES: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str]] = {
+    "temperature": (lambda t: (t >= 0) & (t <= MAX_TEMPERATURE), f"must be in [0, {MAX_TEMPERATURE:g}]"),
+    "top_k": (lambda k: k >= -1, "must be >= -1 (0 and -1 are off)"),
+    "top_p": (lambda p: (p > 0) & (p <= 1), "must be in (0, 1]"),
+    "min_p": (lambda p: (p >= 0) & (p <= 1), "must be in [0, 1]"),
+    "repetition_penalty": (lambda r: (r > 0) & r.isfinite(), "must be finite and > 0"),
+    "presence_penalty": (torch.isfinite, "must be finite"),
+    "frequency_penalty": (torch.isfinite, "must be finite"),
+    "seed": (lambda s: s >= 0, "must be >= 0 (None draws a fresh one)"),
+}
+"""What each per-row value must satisfy (NaN fails every rule)."""
+
+
+def row_seeds(seed: int, batch: int) -> torch.Tensor:
+    """The per-row seeds of a batch given one scalar ``seed``: int64 ``[batch]`` in ``[0, 2**63)``,
+    computed on the host from ``(seed, row index)`` alone. Distinct rows get distinct seeds (the
+    low word is a bijection of the row index); the same seed and batch give the same seeds, on
+    every rank and for any number of ranks."""
+    key = fmix32(torch.tensor((seed & M32) ^ 0x9E3779B9) ^ fmix32(torch.tensor(seed >> 32)))
+    row = torch.arange(batch, dtype=torch.long) & M32
+    low = fmix32(key ^ fmix32(row))
+    high = fmix32(low ^ fmix32(key ^ 0x7F4A7C15)) & 0x7FFFFFFF
+    return (high << 32) | low
+
+
+def _fresh_seed() -> int:
+    """A batch seed drawn from torch's default generator (``torch.manual_seed`` reproduces it)."""
+    return int(torch.randint(0, 2**62, (), dtype=torch.long))
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-row sampling parameters; a scalar applies to every row.
+    r"""Per-row sampling parameters; a scalar applies to every row.
 
     ``temperature`` 0 (or below :data:`GREEDY_BELOW`) is greedy; ``top_k`` 0 or -1, ``top_p`` 1
     and ``min_p`` 0 are off; penalties 1 / 0 / 0 are off. ``logprobs``: ``None`` (no logprobs), the
     number ``n >= 0`` of top logprobs to return with the chosen token's, or one such value per
     row. ``logprobs_of`` (one of :data:`LOGPROBS_OF`) and ``filter_order`` (one of
-    :data:`FILTER_ORDERS`) are batch-wide."""
+    :data:`FILTER_ORDERS`) are batch-wide.
+
+    ``seed``: a scalar seeds the batch -- row ``b`` samples with :func:`row_seeds`\ ``(seed)[b]``,
+    so identical prompts give independent rows and the same call gives the same tokens again; a
+    list gives each row its own seed (pin a request's seed this way: it then samples the same
+    wherever it sits in a batch); ``None`` draws a fresh batch seed from torch's default
+    generator at construction (every rank must draw the same: seed torch alike on every rank).
+    Scalars and the batch-wide fields are checked here; per-row values when resolved."""
 
     temperature: Value = 1.0
     top_k: Value = 0
@@ -62,53 +100,41 @@ class SamplingParams:
     logprobs_of: str = "raw"
     filter_order: str = "hf"
 
-    def resolve(self, batch: int, vocab_size: int) -> Rows:
-        """Broadcast to ``batch`` rows and validate; raises ``ValueError`` naming row and field."""
-        def column(name: str, dtype: torch.dtype) -> torch.Tensor:
-            value = getattr(self, name)
-            kind = "real numbers" if dtype.is_floating_point else "integers in [-2**63, 2**63)"
-            try:
-                t = torch.as_tensor(value, dtype=torch.float64 if dtype.is_floating_point else None)
-            except (TypeError, ValueError, RuntimeError, OverflowError):
-                t = None
-            if t is None or t.is_complex():
-                raise ValueError(f"{name}: expected a scalar or {batch} {kind}, got {reprlib.repr(value)}")
-            if t.dim() == 0:
-                t = t.expand(batch)
-            if t.shape != (batch,):
-                raise ValueError(f"{name}: expected a scalar or {batch} values, got shape {tuple(t.shape)}")
-            if not dtype.is_floating_point and t.dtype.is_floating_point:
-                bad = ((t != t.round()) | (t.abs() >= INT64_BOUND)).nonzero().flatten()  # NaN is bad too
-                if bad.numel():
-                    r = bad[0].item()
-                    raise ValueError(f"row {r}: {name} must be an integer in [-2**63, 2**63), "
-                                     f"got {t[r].item()}")
-            return t.to(dtype=dtype, device=torch.empty(0).device)  # the current default device
-
+    def __post_init__(self) -> None:
+        """Draw the seed ``None`` asks for; reject a bad scalar or batch-wide field here, in one
+        line naming it, rather than inside the first ``sample`` call."""
+        if self.seed is None:
+            object.__setattr__(self, "seed", _fresh_seed())
         for name, choices in (("filter_order", FILTER_ORDERS), ("logprobs_of", LOGPROBS_OF)):
             if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
-                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
-        cols = {name: column(name, dtype) for name, dtype in ROW_FIELDS.items()}
-        checks = (
-            ("temperature", lambda t: (t >= 0) & (t <= MAX_TEMPERATURE),
-             f"must be in [0, {MAX_TEMPERATURE:g}]"),
-            ("top_k", lambda k: k >= -1, "must be >= -1 (0 and -1 are off)"),
-            ("top_p", lambda p: (p > 0) & (p <= 1), "must be in (0, 1]"),
-            ("min_p", lambda p: (p >= 0) & (p <= 1), "must be in [0, 1]"),
-            ("repetition_penalty", lambda r: (r > 0) & r.isfinite(), "must be finite and > 0"),
-            ("presence_penalty", torch.isfinite, "must be finite"),
-            ("frequency_penalty", torch.isfinite, "must be finite"),
-            ("seed", lambda s: s >= 0, "must be >= 0"),
-        )
-        for name, ok, rule in checks:
-            t = cols[name]
-            bad = (~ok(t)).nonzero().flatten()  # NaN fails every rule
-            if bad.numel():
-                r = bad[0].item()
-                raise ValueError(f"row {r}: {name} {rule}, got {t[r].item()}")
+                raise ValueError(f"SamplingParams: {name} must be one of {choices}, got {getattr(self, name)!r}")
+        for name, dtype in ROW_FIELDS.items():
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple)) and getattr(value, "ndim", 0) == 0:  # a scalar
+                try:
+                    _column(name, value, dtype, 1)
+                except ValueError as e:
+                    raise ValueError(f"SamplingParams: {str(e).removeprefix('row 0: ')}") from None
+        n = self.logprobs
+        if n is not None and not isinstance(n, (list, tuple)) and (
+                isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise ValueError(f"SamplingParams: logprobs must be None, an int >= 0 or one such value per row, "
+                             f"got {n!r}")
+
+    def resolve(self, batch: int, vocab_size: int) -> Rows:
+        """Broadcast to ``batch`` rows (a scalar seed becomes :func:`row_seeds`) and validate;
+        raises ``ValueError`` naming row and field."""
+        cols = {name: _column(name, getattr(self, name), dtype, batch) for name, dtype in ROW_FIELDS.items()}
         cols["top_k"] = cols["top_k"].clamp(min=0)  # -1 is vLLM's "off", our 0
         return Rows(**cols, logprobs=self._logprob_counts(batch, vocab_size), logprobs_of=self.logprobs_of,
                     filter_order=self.filter_order)
+
+    def with_row_seeds(self, batch: int) -> SamplingParams:
+        """These parameters with a scalar seed replaced by its ``batch`` per-row seeds, so that
+        any subset of the rows samples exactly as it would within the whole batch."""
+        if torch.as_tensor(self.seed).dim():
+            return self
+        return replace(self, seed=_column("seed", self.seed, torch.int64, batch).cpu())
 
     def take(self, batch: int, vocab_size: int, index: torch.Tensor) -> SamplingParams:
         """These parameters, resolved for ``batch`` rows, at rows ``index`` (row ``j`` of the result
@@ -231,6 +257,40 @@ class TokenCounts:
 
     def _map(self, f: Callable[[torch.Tensor], torch.Tensor]) -> TokenCounts:
         return TokenCounts(f(self.ids), f(self.counts), None if self.in_prompt is None else f(self.in_prompt))
+
+
+def _column(name: str, value: Value, dtype: torch.dtype, batch: int) -> torch.Tensor:
+    """Field ``name`` as ``batch`` values of ``dtype`` on the current default device, checked
+    against :data:`RULES`; a scalar seed becomes the batch's :func:`row_seeds`."""
+    kind = "real numbers" if dtype.is_floating_point else "integers in [-2**63, 2**63)"
+    try:
+        t = torch.as_tensor(value, dtype=torch.float64 if dtype.is_floating_point else None)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        t = None
+    if t is None or t.is_complex():
+        many = isinstance(value, (list, tuple)) or getattr(value, "dim", lambda: 0)()
+        wanted = f"a scalar or {batch} {kind}" if many else ("a real number" if dtype.is_floating_point
+                                                             else "an integer in [-2**63, 2**63)")
+        raise ValueError(f"{name}: expected {wanted}, got {reprlib.repr(value)}")
+    scalar = t.dim() == 0
+    if scalar:
+        t = t.expand(batch)
+    if t.shape != (batch,):
+        raise ValueError(f"{name}: expected a scalar or {batch} values, got shape {tuple(t.shape)}")
+    if not dtype.is_floating_point and t.dtype.is_floating_point:
+        bad = ((t != t.round()) | (t.abs() >= INT64_BOUND)).nonzero().flatten()  # NaN is bad too
+        if bad.numel():
+            r = bad[0].item()
+            raise ValueError(f"row {r}: {name} must be an integer in [-2**63, 2**63), got {t[r].item()}")
+    t = t.to(dtype=dtype)
+    ok, rule = RULES[name]
+    bad = (~ok(t)).nonzero().flatten()
+    if bad.numel():
+        r = bad[0].item()
+        raise ValueError(f"row {r}: {name} {rule}, got {t[r].item()}")
+    if name == "seed" and scalar:
+        t = row_seeds(int(value), batch)
+    return t.to(device=torch.empty(0).device)  # the current default device
 
 
 def check_positions(positions: torch.Tensor | Sequence[int], batch: int) -> torch.Tensor:
