@@ -27,12 +27,14 @@ demo: install
 # portable kernels and MKL limited to AVX2, so a result that silently depends on the kernel set
 # fails here rather than on a user's machine.
 test: install
-	$(BIN)/ruff check src tests benchmarks scripts
+	$(BIN)/ruff check src tests benchmarks scripts examples
 	$(BIN)/python -m pytest
 	ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=AVX2 $(BIN)/python -m pytest -m exact -q
 
+# every benchmark, its tables and progress as they come (about 15 minutes on 2 cores); for a
+# one-minute smoke run: `.venv/bin/vocabpar bench --quick`
 bench: install
-	$(BIN)/python benchmarks/bench_embedding.py
+	$(BIN)/vocabpar bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

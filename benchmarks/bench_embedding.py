@@ -5,7 +5,7 @@ sequence and vs plain F.embedding on a full table (the floor); all-reduce vs own
 exchange (wall time, exact bytes per rank) on uniform and Zipf-skewed ids; and PyTorch DTensor's
 RowwiseParallel embedding on the same inputs.
 
-    .venv/bin/python benchmarks/bench_embedding.py [--ranks 4] [--tokens 8192] [--reps 10]
+    .venv/bin/python benchmarks/bench_embedding.py [--ranks 4] [--tokens 8192] [--reps 10] [--quick]
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bytes_of, fmt_bytes, timed  # noqa: E402
+from common import QUICK_HELP, bytes_of, fmt_bytes, sized, timed  # noqa: E402
 
 from vocabpar import VocabLayout, VocabParallelEmbedding, comm  # noqa: E402
 from vocabpar.launch import run  # noqa: E402
 
-V, H = 129280, 1024
+V, H = sized((129280, 1024), (16384, 256))
 
 
 def make_ids(kind: str, tokens: int) -> torch.Tensor:
@@ -94,9 +94,10 @@ def _dtensor(table: torch.Tensor, ids: torch.Tensor, reps: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--ranks", type=int, default=sized(4, 2))
+    parser.add_argument("--tokens", type=int, default=sized(8192, 1024))
+    parser.add_argument("--reps", type=int, default=sized(10, 3))
+    parser.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = parser.parse_args()
     res = run(bench, args.ranks, args.tokens, args.reps, timeout=600, run_timeout=1800)[0]
     local = res["local"]

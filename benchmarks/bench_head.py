@@ -6,7 +6,7 @@ SGLang's all-gather-then-scatter (exact bytes, wall ratio); B=1024 FP32 logits c
 by chunk (chunk_rows=64) vs collected whole (peak RSS per rank); PyTorch DTensor ColwiseParallel
 head with replicated output vs our all_gather at B=256.
 
-    .venv/bin/python benchmarks/bench_head.py [--ranks 4] [--reps 3]
+    .venv/bin/python benchmarks/bench_head.py [--ranks 4] [--reps 3] [--quick]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bytes_of, fmt_bytes, timed  # noqa: E402
+from common import QUICK_HELP, bytes_of, fmt_bytes, sized, timed  # noqa: E402
 
 from vocabpar import (  # noqa: E402
     ParallelLMHead,
@@ -32,7 +32,9 @@ from vocabpar import (  # noqa: E402
 from vocabpar.collect import padded_local, to_token_order  # noqa: E402
 from vocabpar.launch import run  # noqa: E402
 
-V, H = 129280, 1024
+V, H = sized((129280, 1024), (16384, 256))
+SEQS, SEQ_LEN = sized((8, 512), (4, 128))  # the prefill
+WIDE, DECODE = sized((1024, 256), (256, 64))  # rows of the chunked-logits and DTensor comparisons
 
 
 def peak_rss_delta(fn) -> int:
@@ -51,8 +53,8 @@ def bench(reps: int) -> dict:
     head.load_full_weight(weight)
     res: dict = {}
     # 1. prefill: all 4096 rows vs the 8 last rows (local shard logits: the head's own cost)
-    hidden = torch.randn(8 * 512, H, generator=g).to(torch.bfloat16)
-    seq_lens = torch.full((8,), 512)
+    hidden = torch.randn(SEQS * SEQ_LEN, H, generator=g).to(torch.bfloat16)
+    seq_lens = torch.full((SEQS,), SEQ_LEN)
     res["prefill"] = {
         "all rows": timed(lambda: compute_logits(head, hidden, strategy="none"), 1, warmup=0),
         "last rows": timed(lambda: compute_logits(head, select_rows(hidden, seq_lens), strategy="none"),
@@ -75,13 +77,13 @@ def bench(reps: int) -> dict:
         "all_gather": timed(lambda: to_token_order(comm.all_gather(local), layout)[me * 64: (me + 1) * 64],
                             reps)}
     # 3. B=1024 FP32: per-row reduction of full-vocab logits, chunked vs whole
-    rows = torch.randn(1024, H, generator=g).to(torch.bfloat16)
+    rows = torch.randn(WIDE, H, generator=g).to(torch.bfloat16)
 
     def whole():
         return torch.logsumexp(compute_logits(head, rows, strategy="all_gather"), dim=1)
 
     def chunked():
-        out = torch.empty(1024)
+        out = torch.empty(WIDE)
         for part, logits in iter_logits(head, rows, strategy="all_gather", chunk_rows=64):
             out[part] = torch.logsumexp(logits, dim=1)
         return out
@@ -89,7 +91,7 @@ def bench(reps: int) -> dict:
     assert torch.allclose(whole(), chunked())
     res["memory"] = {"chunked (chunk_rows=64)": peak_rss_delta(chunked), "whole": peak_rss_delta(whole)}
     # 4. DTensor ColwiseParallel head, replicated output, vs ours at B=256
-    batch = torch.randn(256, H, generator=g).to(torch.bfloat16)
+    batch = torch.randn(DECODE, H, generator=g).to(torch.bfloat16)
     res["dtensor"] = {"vocabpar all_gather (fp32 logits)":
                       timed(lambda: compute_logits(head, batch, strategy="all_gather"), reps),
                       "DTensor ColwiseParallel (bf16 logits)": timed(_dtensor_head(weight, batch), reps)}
@@ -115,14 +117,16 @@ def _dtensor_head(weight: torch.Tensor, batch: torch.Tensor):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--ranks", type=int, default=sized(4, 2))
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = parser.parse_args()
     res = run(bench, args.ranks, args.reps, timeout=900, run_timeout=1800)[0]
     print(f"### LM head: {args.ranks} gloo ranks, V={V}, H={H}, bf16 weights, FP32 logits\n")
     p = res["prefill"]
-    print(f"prefill 8 x 512 tokens: head on all 4096 rows {p['all rows'] * 1e3:.1f} ms, on the 8 last "
-          f"rows {p['last rows'] * 1e3:.2f} ms: {p['all rows'] / p['last rows']:.0f}x\n")
+    print(f"prefill {SEQS} x {SEQ_LEN} tokens: head on all {SEQS * SEQ_LEN} rows "
+          f"{p['all rows'] * 1e3:.1f} ms, on the {SEQS} last rows {p['last rows'] * 1e3:.2f} ms: "
+          f"{p['all rows'] / p['last rows']:.0f}x\n")
     print("| DP attention, 64 rows/rank | ms | sent / rank 0 | received / rank 0 |\n|---|---|---|---|")
     for scatter, (sec, (sent, recv)) in res["dp"].items():
         print(f"| dp_gather_scatter, scatter={scatter} | {sec * 1e3:.1f} | {fmt_bytes(sent)} | "
@@ -134,13 +138,13 @@ def main() -> None:
           f"(precomputed logits): {x['all_to_all'] * 1e3:.1f} ms vs {x['all_gather'] * 1e3:.1f} ms, "
           f"{x['all_gather'] / x['all_to_all']:.2f}x\n")
     m = res["memory"]
-    print(f"B=1024 FP32 logits, per-row logsumexp: peak RSS rise chunked "
+    print(f"B={WIDE} FP32 logits, per-row logsumexp: peak RSS rise chunked "
           f"{fmt_bytes(m['chunked (chunk_rows=64)'])} vs whole {fmt_bytes(m['whole'])}: "
           f"{m['chunked (chunk_rows=64)'] / m['whole']:.3f} of unchunked\n")
     d = res["dtensor"]
     ours, theirs = d["vocabpar all_gather (fp32 logits)"], d["DTensor ColwiseParallel (bf16 logits)"]
-    print(f"B=256 head + all-gather: vocabpar {ours * 1e3:.1f} ms (FP32 logits), DTensor ColwiseParallel "
-          f"{theirs * 1e3:.1f} ms (bf16 logits): {theirs / ours:.2f}x")
+    print(f"B={DECODE} head + all-gather: vocabpar {ours * 1e3:.1f} ms (FP32 logits), DTensor "
+          f"ColwiseParallel {theirs * 1e3:.1f} ms (bf16 logits): {theirs / ours:.2f}x")
 
 
 if __name__ == "__main__":

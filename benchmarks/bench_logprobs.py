@@ -18,7 +18,8 @@ compared with one [T, V/4] FP32 block, the local shard of unchunked logits.
 
     .venv/bin/python benchmarks/bench_logprobs.py [--reps 1] [--quick] [--mmap-threshold BYTES]
 
-``--quick`` is a smoke test with T=1024 (the default run takes ~4 min on 2 cores);
+``--quick`` is a smoke test with T=1024 on 2 ranks and V=16384 (the default run takes ~4 min
+on 2 cores);
 ``--mmap-threshold 1048576`` shows how much of the RSS rise is glibc keeping freed temporaries
 (its times are not comparable: every temporary then costs an mmap and fresh page faults).
 """
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import fmt_bytes  # noqa: E402
+from common import QUICK_HELP, fmt_bytes, sized  # noqa: E402
 
 from vocabpar import (  # noqa: E402
     ParallelLMHead,
@@ -51,7 +52,7 @@ from vocabpar import (  # noqa: E402
 )
 from vocabpar.launch import run  # noqa: E402
 
-V, H, N = 129280, 1024, 4
+V, H, N = sized((129280, 1024, 4), (16384, 256, 2))
 T, CHUNK = 8192, 256
 TOP_NS = (0, 5)
 
@@ -174,7 +175,7 @@ def _received(traffic: dict) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=1, help="timed passes per path (median; default 1)")
-    parser.add_argument("--quick", action="store_true", help=f"smoke test: T={CHUNK * 4} instead of {T}")
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_HELP}; T={CHUNK * 4}")
     parser.add_argument("--mmap-threshold", type=int, default=0, metavar="BYTES",
                         help="fix glibc's mmap threshold in every rank (mallopt), so freed temporaries "
                              "go back to the OS at once; 0 (default): glibc's dynamic threshold")

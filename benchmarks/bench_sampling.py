@@ -1,6 +1,6 @@
 """Distributed sampling vs gather-then-sample on 4 local gloo ranks (B=256, V=129280, FP32).
 
-Run: ``.venv/bin/python benchmarks/bench_sampling.py [--iters N]``. For each configuration the
+Run: ``.venv/bin/python benchmarks/bench_sampling.py [--iters N] [--quick]``. For each configuration the
 three paths -- the functional ``sample()`` (adaptive), the engine ``Sampler`` (fixed script, no
 host read, its check folded in) and gather-then-sample -- run in the same processes on the same
 logits; ``reads`` counts host reads of device values per call (``vocabpar.host_reads``: each one a
@@ -26,9 +26,9 @@ from vocabpar.launch import run
 from vocabpar.sampling import Sampler
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import measure  # noqa: E402
+from common import QUICK_HELP, measure, sized  # noqa: E402
 
-B, V, N = 256, 129280, 4
+B, V, N = sized((256, 129280, 4), (64, 16384, 2))
 
 CONFIGS = {
     "greedy": ("peaked", SamplingParams(temperature=0)),
@@ -108,7 +108,8 @@ def _bench(iters: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=sized(3, 2))
+    ap.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = ap.parse_args()
     per_rank = run(_bench, N, args.iters, run_timeout=1800, timeout=300)
     print(f"B={B} V={V} ranks={N} gloo, FP32; time = slowest rank, mean of {args.iters} steps; "

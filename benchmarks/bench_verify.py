@@ -1,7 +1,7 @@
 """Speculative verification on shards vs gather-then-verify on 4 local gloo ranks (B=64,
 V=129280, FP32 logits, k = 4 and 16 draft tokens).
 
-Run: ``.venv/bin/python benchmarks/bench_verify.py [--iters N] [--k 4 16]``. Both paths run in
+Run: ``.venv/bin/python benchmarks/bench_verify.py [--iters N] [--k 4 16] [--quick]``. Both paths run in
 the same processes on the same logits and drafts. ``sharded``: :func:`vocabpar.verify` on this
 rank's shard (agreement check off, as in production). ``gather``: all-gather the ``B·(k+1)``
 target rows (and, with draft logits, the ``B·k`` draft rows), then a single-device rejection
@@ -23,9 +23,9 @@ from vocabpar import SamplingParams, VocabLayout, comm, verify
 from vocabpar.launch import run
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import measure  # noqa: E402
+from common import QUICK_HELP, measure, sized  # noqa: E402
 
-B, V, N = 64, 129280, 4
+B, V, N = sized((64, 129280, 4), (16, 16384, 2))
 
 CONFIGS = {  # name: (params, with draft logits)
     "greedy": (SamplingParams(temperature=0), False),
@@ -127,7 +127,8 @@ def _bench(iters: int, ks: list[int]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=2)
-    ap.add_argument("--k", type=int, nargs="+", default=[4, 16])
+    ap.add_argument("--k", type=int, nargs="+", default=sized([4, 16], [4]))
+    ap.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = ap.parse_args()
     per_rank = run(_bench, N, args.iters, args.k, run_timeout=3600, timeout=600, threads_per_rank=1)
     print(f"B={B} V={V} ranks={N} gloo, FP32; time = slowest rank, mean of {args.iters} steps; "

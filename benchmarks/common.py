@@ -1,15 +1,35 @@
-"""Shared timing helpers for the benchmarks (run inside vocabpar.launch ranks)."""
+"""Shared timing helpers for the benchmarks (run inside vocabpar.launch ranks), and their
+``--quick`` switch."""
 
 from __future__ import annotations
 
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from vocabpar import comm
+
+T = TypeVar("T")
+QUICK_ENV = "VOCABPAR_BENCH_QUICK"
+QUICK = os.environ.get(QUICK_ENV) == "1" or "--quick" in sys.argv[1:]
+"""``--quick``: every benchmark at small sizes (2 ranks, a 16k vocabulary), a smoke test whose
+ratios are only indicative. Kept in the environment because each rank imports the script
+afresh and must see the same sizes."""
+if QUICK:
+    os.environ[QUICK_ENV] = "1"
+
+QUICK_HELP = "small sizes (2 ranks, V=16384): every table in seconds, ratios only indicative"
+
+
+def sized(full: T, quick: T) -> T:
+    """``quick`` under ``--quick``, else ``full``."""
+    return quick if QUICK else full
 
 
 def timed(fn: Callable[[], object], reps: int, warmup: int = 2, sync: bool = True) -> float:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.distributed as dist
 
 from vocabpar import (
     ParallelLMHead,
@@ -23,15 +22,19 @@ from vocabpar import (
     VocabParallelEmbedding,
     comm,
     compute_logits,
+    launch,
     reference_logits,
     reference_sample,
     sample,
 )
-from vocabpar.launch import init_from_env
 
 
 def main() -> int:
-    init_from_env(timeout=120)
+    if not launch.under_torchrun():
+        print("smoke_distributed.py runs on the ranks torchrun starts: "
+              "torchrun --nproc-per-node 2 scripts/smoke_distributed.py", file=sys.stderr)
+        return 2
+    launch.init(timeout=120)
     n, me = comm.world_size(), comm.rank()
     device = comm.device()
     g = torch.Generator().manual_seed(0)
@@ -79,7 +82,7 @@ def main() -> int:
         for name, passed in results:
             print(f"{'ok  ' if passed else 'FAIL'} {name}")
         print(f"{n} ranks on {device}: {'SOME CHECKS FAILED' if failed else 'all checks passed'}")
-    dist.destroy_process_group()
+    launch.shutdown()
     return 1 if failed else 0
 
 

@@ -1,4 +1,12 @@
-from vocabpar import launch
+import os
+
+# A 2-thread OpenMP team spins at its barriers: when another process holds one of the two cores,
+# a 1-rank sweep went from 0.6 s to 13-35 s. Waiting threads that sleep keep the suite's time
+# stable on a shared machine; set before torch loads (here, and in every rank through the
+# forkserver's environment).
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+from vocabpar import launch  # noqa: E402
 
 # Importing transformers' model code takes seconds of CPU per process, and many launches of the
 # suite build the demo's Hugging Face models on every rank: the forkserver imports it once, before

@@ -18,7 +18,7 @@ FLOORS = {
     "weights": 3, "embedding": 3, "sampling": 3,
     "head": 4, "collect": 4,
     "integrations": 5,
-    "demo": 6, "plots": 6,
+    "demo": 6, "plots": 6, "bench": 6,
     "cli": 7, "__main__": 7,
 }
 MAX_LINES = 500

@@ -15,8 +15,15 @@ V, H = 129280, 5120  # DeepSeek-V4.1-Flash
 
 
 def _workload(name: str, **kw) -> P.Workload:
+    """A preset's workload with its own KV bytes per token and rank."""
     m = preset(name)
-    return P.Workload(vocab=m.vocab_size, hidden=m.hidden_size, tied=m.tied, **kw)
+    tp = kw.get("ranks", 8) // kw.get("dp", 1)
+    return P.Workload(vocab=m.vocab_size, hidden=m.hidden_size, tied=m.tied,
+                      kv_bytes_per_token=m.kv_bytes_per_rank(tp), **kw)
+
+
+BYTES_ONLY = {"launch": 0.0, "sync": 0.0}
+"""Fixed costs other than collectives off: tests about bytes and collectives alone."""
 
 
 def _costs(w: P.Workload) -> dict[str, P.DesignCost]:
@@ -139,9 +146,12 @@ def test_other_preset_per_design():
     for cost in c.values():
         assert cost.memory_bytes == cost.weight_bytes + cost.logits_buffer_bytes
         assert cost.step_time_s == pytest.approx(cost.collectives * P.LATENCY + cost.step_bytes / 300e9
+                                                 + cost.launches * P.LAUNCH + cost.host_reads * P.SYNC
                                                  + cost.head_flops / 600e12)
     assert min(x.extra_memory_bytes for x in c.values()) == 0
-    assert c["deepinfer-replicated"].kv_tokens == c["deepinfer-replicated"].extra_memory_bytes // 890
+    kv = 28 * 2 * 4 * 128 * 2  # Qwen2.5-7B: 28 layers, K and V, 4 KV heads of 128, BF16; DP 8: whole per rank
+    assert w.kv_bytes_per_token == kv
+    assert c["deepinfer-replicated"].kv_tokens == c["deepinfer-replicated"].extra_memory_bytes // kv
 
 
 def test_empty_batch_and_single_rank():
@@ -167,14 +177,17 @@ def test_workload_validation():
 
 # ---------------------------------------------------------------------- recommendation
 def test_recommendation_trades_memory_for_latency():
-    dp = P.plan(replace(P.STUDY, dp=8))
+    """Bytes and collectives alone (no launch or host-read cost): replication wins under DP
+    attention when memory allows, sampling on shards when it does not or attention is TP."""
+    study = replace(P.STUDY, **BYTES_ONLY)
+    dp = P.plan(replace(study, dp=8))
     rec = P.recommend(dp)
     assert rec.design == "deepinfer-replicated" and "KV cache" in rec.reason
     assert "llama.cpp" not in rec.ranking  # one device, not an 8-rank design
     tight = P.recommend(dp, headroom_bytes=1 * P.GiB)
     assert tight.design == "vocabpar-sharded"
     assert "deepinfer-replicated would take" in tight.reason and "headroom" in tight.reason
-    assert P.recommend(P.plan(P.STUDY)).design == "vocabpar-sharded"  # attention TP: no free rows
+    assert P.recommend(P.plan(study)).design == "vocabpar-sharded"  # attention TP: no free rows
     for bad in (-1, math.inf, math.nan, 1e300):
         with pytest.raises(ValueError, match="headroom"):
             P.recommend(dp, headroom_bytes=bad)
@@ -190,14 +203,17 @@ def test_recommendation_when_nothing_fits():
 
 
 # ---------------------------------------------------------------------- CLI
-def test_cli_default_reproduces_the_study(capsys):
-    assert main(["plan"]) == 0
+def test_cli_study_flag_reproduces_the_study(capsys):
+    """The study's figures appear behind --study only, after one line saying what they are."""
+    assert main(["plan", "--study"]) == 0
     out = capsys.readouterr().out
     for text in ("1.23 GiB", "157.8 MiB", "57.9 MB", "193 µs", "16 KB", "2.16 GiB", "2.6 M tokens",
-                 "recommendation:", "vocabpar-sharded"):
+                 "recommendation:", "vocabpar-sharded", "the study's figures: the reference workload"):
         assert text in out
-    assert main(["plan", "--preset", "gpt2"]) == 0
+    assert main(["plan"]) == 0
     assert "the study" not in capsys.readouterr().out
+    assert main(["plan", "--preset", "gpt2", "--study"]) == 0
+    assert "the study's figures" in capsys.readouterr().out
 
 
 def test_cli_json_base_units(capsys):
@@ -206,7 +222,7 @@ def test_cli_json_base_units(capsys):
     assert data["workload"]["bandwidth"] == 300e9 and data["workload"]["tied"] is True
     assert len(data["designs"]) == len(P.DESIGNS) and data["study"] == []
     assert data["recommendation"]["design"] in data["recommendation"]["ranking"]
-    assert main(["plan", "--json"]) == 0
+    assert main(["plan", "--json", "--study"]) == 0
     study = json.loads(capsys.readouterr().out)["study"]
     assert {"quantity", "value", "unit", "study", "text", "agrees"} <= set(study[0])
 
@@ -340,8 +356,9 @@ def test_sampled_steps_cost_at_least_greedy_on_shards(capsys):
     round_one = (n - 1) * B * (2 + 2 * 64) * 8
     assert sharded["collection_bytes"] == round_one + round(2 * 7 / 8 * B * 8)
     assert (sharded["collectives"], sharded["collectives_worst"]) == (1 + 2, 1 + 7)
-    for name in ("vllm-all-gather", "sglang-all-to-all", "deepinfer-replicated"):
-        assert top_p[name] == greedy[name]
+    for name in ("vllm-all-gather", "sglang-all-to-all", "deepinfer-replicated"):  # the same bytes
+        assert {k: v for k, v in top_p[name].items() if "launches" not in k and "time" not in k} == \
+            {k: v for k, v in greedy[name].items() if "launches" not in k and "time" not in k}
     greedy_again = _designs_json(capsys, "--top-p", "0.9", "--temperature", "0")
     assert greedy_again["vocabpar-sharded"] == base
 
@@ -408,7 +425,7 @@ def test_skew_prices_the_owner_gather_and_flips_the_recommendation():
     """A vocabulary only twice the hidden size: with balanced ownership the owner gather wins;
     when one rank owns half the tokens or more it moves up to (n-1)·T rows, and a design with
     the ring all-reduce (which ownership does not change) wins."""
-    w = P.Workload(vocab=16000, hidden=8192, ranks=8)
+    w = P.Workload(vocab=16000, hidden=8192, ranks=8, **BYTES_ONLY)
     balanced, skewed = P.plan(w), P.plan(replace(w, skew=1.0))
     assert P.plan(replace(w, skew=1 / 8)) == balanced
     by = {c.name: c for c in skewed}
@@ -428,7 +445,7 @@ def test_skew_prices_the_owner_gather_and_flips_the_recommendation():
 def test_winner_map_over_latency_and_bandwidth():
     """Slow collectives favour the design with none (replication), fast links and cheap
     collectives the sharded sampler."""
-    grid = P.winners(P.STUDY, [0.0, 1e-3], [1e9, 1e13])
+    grid = P.winners(replace(P.STUDY, **BYTES_ONLY), [0.0, 1e-3], [1e9, 1e13])
     assert grid[1][0] == "deepinfer-replicated"
     assert grid[0][1] == "vocabpar-sharded"
 

@@ -3,6 +3,7 @@
 from vocabpar.collect import ShardedLogits, broadcast_tokens, compute_logits, iter_logits
 from vocabpar.embedding import VocabParallelEmbedding
 from vocabpar.head import ParallelLMHead, reference_logits, select_rows
+from vocabpar.launch import init, shutdown
 from vocabpar.layout import Shard, VocabLayout
 from vocabpar.sampling import (
     SampleOutput,
@@ -20,5 +21,5 @@ __all__ = ["ParallelLMHead", "Shard", "ShardedLogits", "VocabLayout", "VocabPara
            "broadcast_tokens", "compute_logits", "iter_logits", "reference_logits", "select_rows",
            "SampleOutput", "SamplingParams", "TokenCounts", "reference_sample", "sample", "TokenLogprobs",
            "token_logprobs",
-           "VerifyOutput", "reference_verify", "verify"]
+           "VerifyOutput", "reference_verify", "verify", "init", "shutdown"]
 __version__ = "0.1.0"

@@ -11,9 +11,10 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import NoReturn
 
-from vocabpar import demo, plan, plots
+from vocabpar import bench, demo, plan, plots
 from vocabpar.layout import SCHEMES, VocabLayout
-from vocabpar.presets import DEFAULT_PRESET, PRESETS, preset
+from vocabpar.plan.text import format_table
+from vocabpar.presets import DEFAULT_PRESET, PRESETS, load_config, preset
 
 
 def _number(p: argparse.ArgumentParser, flag: str, kind: type[int] | type[float], limits: tuple[float, float],
@@ -57,15 +58,6 @@ def _png(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """Right-aligned plain-text table."""
-    cells = [list(map(str, header))] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 def cmd_layout(args: argparse.Namespace) -> int:
     vocab = args.vocab or preset(args.preset).vocab_size
     schemes = [args.scheme] if args.scheme else list(SCHEMES)
@@ -89,71 +81,54 @@ def _temperature(args: argparse.Namespace) -> float:
     return 1.0 if args.top_k or args.top_p < 1 or args.min_p > 0 else 0.0
 
 
+def _list_presets() -> int:
+    rows = [(m.name, m.vocab_size, m.hidden_size, "tied" if m.tied else "untied", m.dtype,
+             f"{m.kv_bytes_per_token:,.0f}", m.source) for m in PRESETS.values()]
+    print(format_table(("preset", "vocab", "hidden", "head", "dtype", "KV B/token", "source"), rows))
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
-    shape = preset(args.preset)
+    """``--config`` (a Hugging Face config.json or its folder) or ``--preset`` gives the model;
+    ``--mode`` the prices of a collective, a launch and a host read, each overridable."""
+    if args.list_presets:
+        return _list_presets()
+    model = load_config(args.config, tied=args.tied) if args.config else preset(args.preset)
+    mode = plan.mode(args.mode)
+    dtypes = (args.weight_dtype or model.dtype, args.logits_dtype or model.dtype)
+    if args.ranks % args.dp:
+        raise ValueError(f"dp={args.dp} must divide ranks={args.ranks}")
+    kv = model.kv_bytes_per_rank(args.ranks // args.dp) if args.kv_bytes_per_token is None \
+        else args.kv_bytes_per_token
+
+    def given(value: float | None, default: float) -> float:
+        return default if value is None else value * 1e-6
     w = plan.Workload(
-        vocab=shape.vocab_size if args.vocab is None else args.vocab,
-        hidden=shape.hidden_size if args.hidden is None else args.hidden,
-        tied=shape.tied if args.tied is None else args.tied,
+        vocab=model.vocab_size if args.vocab is None else args.vocab,
+        hidden=model.hidden_size if args.hidden is None else args.hidden,
+        tied=model.tied if args.tied is None else args.tied,
         ranks=args.ranks, dp=args.dp, batch=args.batch, tokens=args.tokens,
-        weight_dtype_bytes=plan.dtype_bytes(args.weight_dtype),
-        logits_dtype_bytes=plan.dtype_bytes(args.logits_dtype),
-        bandwidth=args.bandwidth * 1e9, flops=args.flops * 1e12,
-        kv_bytes_per_token=args.kv_bytes_per_token, pad_to=args.pad_to, latency=args.latency_us * 1e-6,
+        weight_dtype_bytes=plan.dtype_bytes(dtypes[0]), logits_dtype_bytes=plan.dtype_bytes(dtypes[1]),
+        bandwidth=args.bandwidth * 1e9, flops=args.flops * 1e12, kv_bytes_per_token=kv, pad_to=args.pad_to,
+        latency=given(args.latency_us, mode.latency), launch=given(args.launch_us, mode.launch),
+        sync=given(args.sync_us, mode.sync),
         sampling=plan.Sampling(_temperature(args), args.top_k, args.top_p, args.min_p),
         spec_tokens=args.spec_tokens, draft_logits=args.draft_logits, score_tokens=args.score_tokens,
         score_top_n=args.score_top_n, skew=args.skew)
     costs = plan.plan(w)
     rec = plan.recommend(costs, None if args.headroom is None else args.headroom * plan.GiB)
-    study = plan.study_figures() if plan.is_study_shape(w) else []
+    crossovers = plan.crossovers(w)
+    study = plan.study_figures() if args.study else []
     if args.plot:
         print(f"wrote {plots.plot_plan(w, args.plot)}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"workload": asdict(w), "designs": [asdict(c) for c in costs],
-                          "recommendation": asdict(rec),
+        print(json.dumps({"model": asdict(model) | {"kv_bytes_per_token": model.kv_bytes_per_token},
+                          "mode": asdict(mode), "workload": asdict(w), "designs": [asdict(c) for c in costs],
+                          "crossovers": [asdict(c) for c in crossovers], "recommendation": asdict(rec),
                           "study": [asdict(f) | {"text": f.text, "agrees": f.agrees} for f in study]},
                          indent=2))
         return 0
-    h = plan.human
-
-    def span(typical: float, worst: float, kind: str | None = None) -> str:
-        shown = [h(x, kind) if kind else str(x) for x in (typical, worst)]
-        return shown[0] if typical == worst else f"{shown[0]}..{shown[1]}"
-    extra = [f"{w.spec_tokens} draft tokens per row{' with draft logits' if w.draft_logits else ''}"
-             if w.spec_tokens else "", f"scoring {w.score_tokens} prompt tokens" if w.score_tokens else "",
-             f"busiest rank owns {w.skew:g} of the tokens" if w.skew is not None else ""]
-    print(f"{w.vocab} vocab x {w.hidden} hidden ({'tied' if w.tied else 'untied'}), {w.ranks} ranks, "
-          f"dp {w.dp}, B={w.batch} rows/step, T={w.tokens} tokens/forward, weights "
-          f"{args.weight_dtype}, logits {args.logits_dtype}, {h(w.bandwidth, 'bytes')}/s, "
-          f"{h(w.flops, 'flops')}/s, {h(w.latency, 'seconds')} per collective; sampling: "
-          f"{w.sampling.describe()}" + "".join(f"; {e}" for e in extra if e) + "\n")
-    header = ["design", "ranks", "weights", "logits", f"emb/fwd({w.tokens})", "step recv", "head/rank",
-              "coll/step", "step time", "KV forgone"]
-    rows = [[c.name, c.ranks, h(c.weight_bytes, "ibytes"), h(c.logits_buffer_bytes, "ibytes"),
-             h(c.embedding_bytes, "bytes"), span(c.step_bytes, c.step_bytes_worst, "bytes"),
-             h(c.head_flops, "flops"), span(c.collectives, c.collectives_worst),
-             span(c.step_time_s, c.step_time_worst_s, "seconds"), h(c.kv_tokens, "tokens")] for c in costs]
-    if w.spec_tokens:
-        header += ["verify recv", "verify coll"]
-        for row, c in zip(rows, costs):
-            row += [h(c.verify_bytes, "bytes"), c.verify_collectives]
-    if w.score_tokens:
-        header += ["score recv", "score peak"]
-        for row, c in zip(rows, costs):
-            row += [h(c.score_bytes, "bytes"), h(c.score_peak_bytes, "ibytes")]
-    print(format_table(header, rows))
-    print("\n" + "\n".join(f"  {c.name}: {c.summary}" for c in costs))
-    if any(c.collectives != c.collectives_worst or c.step_bytes != c.step_bytes_worst for c in costs):
-        print("\n  a..b: typical (LLM-like peaked rows) .. worst case of sampling on shards; the "
-              "recommendation uses the typical case")
-    print(f"\nrecommendation: {rec.reason}")
-    if study:
-        print("\nthe study's numbers (DeepSeek-V4.1-Flash, TP=8, B=256, T=8192, 300 GB/s, 600 TFLOP/s):")
-        print(format_table(("quantity", "vocabpar", "study", "check"),
-                           [(f.quantity, f.text, f.study or "-",
-                             "ok" if f.study and f.agrees else "differs" if f.study else "")
-                            for f in study]))
-        print("\n".join(f"  {f.quantity.strip()}: {f.note}" for f in study if f.note))
+    print(plan.report_text(w, costs, rec, crossovers, model, mode, dtypes, study))
     return 0
 
 
@@ -165,12 +140,46 @@ def _range(typical: float, worst: float, show=_bytes) -> str:
     return show(typical) if typical == worst else f"{show(typical)}..{show(worst)}"
 
 
+WIDTH = 120
+"""Columns a default table fits in; ``--wide`` shows every column."""
+
+
+def fit_table(header: Sequence[str], rows: Sequence[Sequence[object]], drop: Sequence[str],
+              width: int | None = WIDTH) -> tuple[str, list[str]]:
+    """:func:`format_table` without the columns of ``drop``, first ones first, until its lines
+    fit ``width`` (``None``: keep all); the table and the columns left out."""
+    keep, left_out = list(header), []
+    while True:
+        index = [list(header).index(h) for h in keep]
+        table = format_table(keep, [[row[i] for i in index] for row in rows])
+        candidates = [h for h in drop if h in keep]
+        if width is None or max(map(len, table.splitlines())) <= width or not candidates:
+            return table, left_out
+        keep.remove(candidates[0])
+        left_out.append(candidates[0])
+
+
+def _torchrun_ranks(asked: int | None, default: int) -> int:
+    """``--ranks``: under torchrun its world (asking for another count is an error), else
+    ``asked`` or ``default``."""
+    from vocabpar import launch
+
+    if not launch.under_torchrun():
+        return default if asked is None else asked
+    world = int(os.environ["WORLD_SIZE"])
+    if asked is not None and asked != world:
+        raise ValueError(f"--ranks {asked} but torchrun started {world} processes: drop --ranks, or start "
+                         f"torchrun with --nproc-per-node {asked}")
+    return world
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Exit status 1 when any design's tokens differ from the reference; traffic outside the
     planner's prediction is reported, not fatal."""
     from vocabpar import comm
 
-    result = demo.run_demo(args.model, args.ranks, args.batch, args.tokens, progress=not args.quiet)
+    ranks = _torchrun_ranks(args.ranks, 4)
+    result = demo.run_demo(args.model, ranks, args.batch, args.tokens, progress=not args.quiet)
     status = 0 if result.tokens_agree else 1
     if comm.rank() != 0:  # under torchrun, rank 0 reports
         return status
@@ -181,25 +190,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
           f"({'tied' if result.tied else 'untied'}), {result.ranks} ranks, batch {result.batch}, "
           f"{result.tokens} new tokens; single-process reference "
           f"{result.reference_ms_per_step:.1f} ms/step\n")
-    rows = [(r.design, r.mode, f"{r.equal}/{r.rows}", _bytes(r.measured),
+    table_rows = [(r.design, r.mode, f"{r.equal}/{r.rows}", _bytes(r.measured),
              _range(r.predicted, r.predicted_worst), f"{r.collectives:g}",
              _range(r.collectives_predicted, r.collectives_worst, "{:g}".format),
              "yes" if r.planner_agrees else "NO", _bytes(r.id_bytes), f"{r.ms_per_step:.1f}",
              f"{r.peak_rss_mib:.0f}", f"{r.weights_mib:.2f}",
              "-" if r.acceptance is None else f"{r.acceptance:.2f}") for r in result.rows]
-    print(format_table(("design", "mode", "tokens equal", "recv B/step", "planner B/step", "coll/step",
-                        "planner coll", "= planner", "ids B/step", "ms/step", "peak RSS MiB",
-                        "vocab MiB/rank", "accepted"), rows))
-    print("\ntokens equal: rows matching reference_sample with the same seeds (greedy: also transformers' "
-          "generate;\nspec-*: the speculative loop in one process, gathering).\nrecv, coll: bytes the "
-          "busiest rank received and collectives it took part in per decode step\n(vocabpar.comm "
-          "counters; the exchange of sampled ids counts as a collective, its "
-          "bytes are shown apart).\nplanner: its prediction for the same shapes and ownership counts, "
-          "typical..worst where sampling on\nshards depends on the data; = planner: every step within it "
-          "(exactly equal where deterministic).\nspec-*: speculative decoding, "
-          f"{demo.SPEC_TOKENS} drafts per step from a draft model (demo.build_draft), verified on shards "
-          "or\nafter gathering; a step is a verification step, the draft model's own traffic left out; "
-          "accepted: drafts kept / proposed.")
+    table, left_out = fit_table(
+        ("design", "mode", "equal", "recv B/step", "planner B/step", "coll/step", "planner coll", "= planner",
+         "ids B/step", "ms/step", "peak RSS MiB", "vocab MiB/rank", "accepted"), table_rows,
+        drop=("peak RSS MiB", "vocab MiB/rank", "ids B/step", "planner coll", "ms/step", "coll/step"),
+        width=None if args.wide else WIDTH)
+    print(table)
+    if left_out:
+        print(f"(--wide adds {', '.join(left_out)}; --json gives everything as data)")
+    print("\n" + "\n".join((
+        "equal: rows matching reference_sample with the same seeds (greedy: also transformers' generate;",
+        "spec-*: the speculative loop in one process, gathering).",
+        "recv, coll: bytes the busiest rank received and collectives it took part in per decode step",
+        "(vocabpar.comm counters; the exchange of sampled ids counts as a collective, its bytes shown",
+        "apart: ids B/step, with --wide).",
+        "planner: its prediction for the same shapes and ownership counts, typical..worst where sampling on",
+        "shards depends on the data; = planner: every step within it (equal where deterministic).",
+        f"spec-*: speculative decoding, {demo.SPEC_TOKENS} drafts per step from a draft model "
+        "(demo.build_draft), verified on shards",
+        "or after gathering; a step is a verification step, the draft model's own traffic left out;",
+        "accepted: drafts kept / proposed.")))
     agree = sum(r.planner_agrees for r in result.rows)
     print(f"\ntokens: {'every design agrees' if result.tokens_agree else 'SOME DESIGNS DIFFER'}; planner: "
           f"{agree} of {len(result.rows)} rows within its prediction (bytes and collectives)")
@@ -211,7 +227,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     from vocabpar import comm
 
     ids = None if args.ids is None else _id_list(args.ids)
-    result = demo.run_score(args.model, args.ranks, ids, args.length, args.top_n)
+    result = demo.run_score(args.model, _torchrun_ranks(args.ranks, 4), ids, args.length, args.top_n)
     status = 0 if result.agrees else 1
     if comm.rank() != 0:
         return status
@@ -236,37 +252,43 @@ def _id_list(text: str) -> list[int]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """``--out`` and ``--plot`` were checked writable when parsed, before minutes of benchmarks."""
-    import subprocess
-
-    scripts = sorted(pathlib.Path(args.dir).glob("bench_*.py"))
-    if args.only:
-        scripts = [p for p in scripts if p.stem in (args.only, f"bench_{args.only}")]
-    if not scripts:
-        raise ValueError(f"no benchmark scripts bench_*.py{' named ' + args.only if args.only else ''} "
-                         f"in {args.dir!r}")
-    failed, report = [], []
-    for script in scripts:
-        print(f"\n== {script} ==", flush=True)
-        done = subprocess.run([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-        print(done.stdout, end="", flush=True)
-        report.append(f"### `{sys.executable} {script}`\n\n{done.stdout}")
-        if done.returncode:
-            failed.append(script.name)
-    if args.out:
-        pathlib.Path(args.out).write_text("\n".join(report))
+    """``--out`` and ``--plot`` were checked writable when parsed, before minutes of benchmarks.
+    ``--plot`` runs the demo alone and plots it."""
     if args.plot:
-        print(f"\nwrote {plots.plot_demo(demo.run_demo(progress=False), args.plot)}")
+        print("running the demo (about a minute) ...", file=sys.stderr, flush=True)
+        print(f"wrote {plots.plot_demo(demo.run_demo(progress=False), args.plot)}")
+        return 0
+    failed = bench.run(bench.find_scripts(args.dir, args.only), quick=args.quick, out=args.out)
     if failed:
         print(f"\nfailed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
 
 
 class _Parser(argparse.ArgumentParser):
-    """Argument errors as one line on stderr, exit code 2."""
+    """Argument errors as one line on stderr, exit code 2, with a suggestion for a misspelt
+    option or command."""
+
+    known: tuple[str, ...] = ()  # every option and command of the whole command line (build_parser)
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {message}{_suggestion(message, self.known)}\n")
+
+
+def _suggestion(message: str, known: Sequence[str]) -> str:
+    """"; did you mean --ranks?" for the first unknown word of an argparse error that is close
+    to a known option or command."""
+    import difflib
+    import re
+
+    if message.startswith("unrecognized arguments: "):
+        words = [w.split("=")[0] for w in message.split(": ", 1)[1].split() if w.startswith("-")]
+    else:
+        words = re.findall(r"invalid choice: '([^']*)'", message)
+    for word in words:
+        close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
+        if close:
+            return f"; did you mean {close[0]}?"
+    return ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -275,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     L, D = plan.LIMITS, demo.LIMITS
     parser = _Parser(
         prog="vocabpar", description="Vocabulary-parallel embedding, LM head, logits and sampling.")
+    parser.add_argument("--version", action="version", version=f"vocabpar {bench.version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("layout", help="show how a vocabulary is split over ranks")
     p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
@@ -286,9 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheme", choices=SCHEMES, help="one scheme (default: all)")
     p.set_defaults(func=cmd_layout)
     p = sub.add_parser("plan", help="price every vocabulary design for a model and workload")
-    p.add_argument("--preset", default=DEFAULT_PRESET, help=f"model shape ({', '.join(PRESETS)})")
-    _number(p, "--vocab", int, L["vocab"], "vocabulary size (overrides the preset)")
-    _number(p, "--hidden", int, L["hidden"], "hidden size (overrides the preset)")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--preset", default=DEFAULT_PRESET, help="a known model (see --list-presets; default "
+                       f"{DEFAULT_PRESET})")
+    model.add_argument("--config", metavar="PATH", help="a Hugging Face config.json, or a folder holding one")
+    p.add_argument("--list-presets", action="store_true", help="list the presets with their sources and exit")
+    _number(p, "--vocab", int, L["vocab"], "vocabulary size (overrides the model's)")
+    _number(p, "--hidden", int, L["hidden"], "hidden size (overrides the model's)")
     tied = p.add_mutually_exclusive_group()
     tied.add_argument("--tied", dest="tied", action="store_true", default=None, help="one shared matrix")
     tied.add_argument("--untied", dest="tied", action="store_false", help="embedding and head separate")
@@ -298,14 +325,22 @@ def build_parser() -> argparse.ArgumentParser:
     _number(p, "--batch", int, L["batch"], "rows needing logits per step", default=256)
     _number(p, "--tokens", int, L["tokens"], "tokens per forward (embedding)", default=8192)
     for what in ("weight", "logits"):
-        p.add_argument(f"--{what}-dtype", default="bf16", type=str.lower, choices=plan.DTYPE_BYTES,
-                       help=f"{what} element type")
+        p.add_argument(f"--{what}-dtype", type=str.lower, choices=plan.DTYPE_BYTES,
+                       help=f"{what} element type (default: the model's)")
     _number(p, "--bandwidth", float, L["bandwidth"], "interconnect GB/s", scale=1e9, default=300.0)
-    _number(p, "--latency-us", float, L["latency"], "microseconds per collective (NVLink-class NCCL: ~15)",
-            scale=1e-6, default=plan.LATENCY * 1e6)
+    p.add_argument("--mode", default=plan.DEFAULT_MODE, choices=plan.MODES,
+                   help="how collectives run, which sets the next three figures: " + "; ".join(
+                       f"{m.name}: {m.summary}" for m in plan.MODES.values())
+                   + f" (default {plan.DEFAULT_MODE})")
+    _number(p, "--latency-us", float, L["latency"], "microseconds per collective (default: the mode's)",
+            scale=1e-6)
+    _number(p, "--launch-us", float, L["launch"], "microseconds per kernel launch (default: the mode's)",
+            scale=1e-6)
+    _number(p, "--sync-us", float, L["sync"], "microseconds per host read of a device value (default: the "
+            "mode's)", scale=1e-6)
     _number(p, "--flops", float, L["flops"], "effective TFLOP/s", scale=1e12, default=600.0)
-    _number(p, "--kv-bytes-per-token", float, L["kv_bytes_per_token"], "KV cache bytes per token",
-            default=890.0)
+    _number(p, "--kv-bytes-per-token", float, L["kv_bytes_per_token"], "KV cache bytes per token and rank "
+            "(default: from the model)")
     _number(p, "--pad-to", int, L["pad_to"], "vocab padding multiple (padded scheme)", default=64)
     _number(p, "--headroom", float, L["headroom"], "GiB per rank available for extra memory",
             scale=plan.GiB)
@@ -325,35 +360,49 @@ def build_parser() -> argparse.ArgumentParser:
     _number(p, "--skew", float, L["skew"], "share of a forward's tokens owned by the busiest rank, at least "
             "1/ranks (default: balanced)")
     p.add_argument("--json", action="store_true", help="print plain data in base units")
+    p.add_argument("--study", action="store_true",
+                   help="also print the study's reference figures recomputed by the cost model")
     p.add_argument("--plot", metavar="FILE.png", type=_png,
-                   help="write bytes-vs-batch and memory-vs-ranks plots and the map of which design wins "
-                        "over latency and bandwidth (.png appended if missing)")
+                   help="write step time and bytes vs batch (crossover marked), memory vs ranks, and the map "
+                        "of which design wins over latency and bandwidth (.png appended if missing)")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("demo", help="generate with a Hugging Face model through every design on local ranks")
     p.add_argument("--model", default="gpt2", choices=demo.MODELS,
                    help="embedded seeded model (no downloads)")
-    _number(p, "--ranks", int, D["ranks"], "local ranks, one process each", default=4)
+    _number(p, "--ranks", int, D["ranks"], "local ranks, one process each (default 4; under torchrun "
+            "its processes)")
     _number(p, "--batch", int, D["batch"], "prompts per batch", default=4)
     _number(p, "--tokens", int, D["tokens"], "new tokens per prompt", default=8)
     p.add_argument("--json", action="store_true", help="print the table as data")
+    p.add_argument("--wide", action="store_true", help=f"every column (default: fit {WIDTH} columns)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("score", help="per-token log-probabilities and perplexity of a prompt on local ranks")
     p.add_argument("--model", default="gpt2", choices=demo.MODELS,
                    help="embedded seeded model (no downloads)")
-    _number(p, "--ranks", int, D["ranks"], "local ranks, one process each", default=4)
+    _number(p, "--ranks", int, D["ranks"], "local ranks, one process each (default 4; under torchrun "
+            "its processes)")
     _number(p, "--length", int, D["length"], "random prompt length (seeded)", default=16)
     p.add_argument("--ids", help="the prompt as comma-separated token ids (instead of a random one)")
     _number(p, "--top-n", int, D["top_n"], "top alternatives shown per token", default=3)
     p.set_defaults(func=cmd_score)
-    p = sub.add_parser("bench", help="run the benchmark scripts (bench_*.py) and print their tables")
-    p.add_argument("--dir", default="benchmarks", help="folder holding bench_*.py (default: ./benchmarks)")
+    p = sub.add_parser("bench", help="run the benchmark scripts (bench_*.py) and print their tables",
+                       description="Run the benchmark scripts one after another (about 15 minutes on 2 "
+                                   "cores; --quick: about 1 minute), with progress and an estimate on "
+                                   "stderr.")
+    p.add_argument("--dir", help="folder holding bench_*.py (default: ./benchmarks, else the source checkout "
+                                 "vocabpar is installed from)")
     p.add_argument("--only", help="run one script, e.g. 'embedding' or 'bench_embedding'")
+    p.add_argument("--quick", action="store_true",
+                   help="every benchmark at small sizes (2 ranks, V=16384): a smoke test, ratios indicative")
     p.add_argument("--out", metavar="FILE.md", type=_writable,
-                   help="also write every script's output (markdown) here")
+                   help="also write the tables (markdown) here, rewritten as each benchmark finishes")
     p.add_argument("--plot", metavar="FILE.png", type=_png,
-                   help="run the demo and plot bytes and time per design (.png appended if missing)")
+                   help="instead of the benchmarks, run the demo and plot bytes and time per design "
+                        "(.png appended if missing)")
     p.set_defaults(func=cmd_bench)
+    _Parser.known = tuple(sub.choices) + tuple(
+        option for q in (parser, *sub.choices.values()) for option in q._option_string_actions)
     return parser
 
 
@@ -364,7 +413,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # argparse: 2 for bad arguments, 0 for --help
         return e.code if isinstance(e.code, int) else 2
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:  # `vocabpar plan | head`: the reader left; stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 0
     except (ValueError, OSError) as e:
         print(f"vocabpar {args.command}: error: {e}", file=sys.stderr)
         return 2

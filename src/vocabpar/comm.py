@@ -357,6 +357,16 @@ CHECK_ENV = "VOCABPAR_CHECK"
 Fact = int | str | torch.Tensor
 """An int or str compared as is; a tensor compared by :func:`vocabpar.hashing.fingerprint`."""
 
+_PARTS = "_vocabpar_parts"
+
+
+def with_parts(t: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
+    """Mark tensor fact ``t`` as ``len(names)`` equal consecutive parts so named: it is still
+    compared as one fingerprint, and when it differs every rank fingerprints the parts in one
+    more small all-gather (on the error path only) and the message names those that differ."""
+    setattr(t, _PARTS, tuple(names))
+    return t
+
 
 def checks_enabled(check: bool | None = None) -> bool:
     """``check`` if given, else the ``VOCABPAR_CHECK`` environment variable (on unless ``0``).
@@ -409,12 +419,27 @@ def agree(where: str, group: ProcessGroup, collect: Callable[[], Mapping[str, Fa
         raise ConsistencyError(f"{where}: ranks compare different facts ({counts}); "
                                f"is {CHECK_ENV} the same on every rank?")
     column = {k: table.facts[:, i].tolist() for i, k in enumerate(names)}
-    problems = [_disagreement(k, facts[k], column[k]) for k in names if k not in vary
-                and len(set(column[k])) > 1]
+    problems = [_disagreement(k, facts[k], column[k]) + _differing_parts(facts[k], group)
+                for k in names if k not in vary and len(set(column[k])) > 1]
     if problems:
         raise ConsistencyError(f"{where}: ranks disagree on what must be the same everywhere: "
                          + "; ".join(problems))
     return {k: column[k] for k in vary}
+
+
+def _differing_parts(value: Fact, group: ProcessGroup) -> str:
+    """For a fact marked by :func:`with_parts`: ": a, b differ", the parts whose content is not
+    the same on every rank (every rank calls this for the same facts, so the exchange matches)."""
+    names = getattr(value, _PARTS, None)
+    if not names:
+        return ""
+    flat = value.detach().reshape(-1)
+    parts = flat.reshape(len(names), -1) if flat.numel() % len(names) == 0 else flat.new_zeros(len(names), 0)
+    words = torch.stack([fingerprint(p) for p in parts]).to(device(group))
+    with booked_as("agreement"):
+        seen = all_gather(words, group).cpu()
+    differ = [n for i, n in enumerate(names) if len(set(seen[:, i].tolist())) > 1]
+    return f": {', '.join(differ)} differ" if differ else ""
 
 
 def _fact_word(value: Fact) -> torch.Tensor:

@@ -20,12 +20,12 @@ import os
 import random
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from vocabpar import comm, launch, plan, rss
-from vocabpar.integrations.decode import can_verify
+from vocabpar.integrations.decode import AUTO, can_verify
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling import SamplingParams
 from vocabpar.wire.strategies import STRATEGIES
@@ -196,8 +196,15 @@ class DemoResult:
                                "rows": rows}
 
 
+AUTO_DESIGN = plan.Design("vocabpar-auto", "vocabpar", "padded", "owner_gather", AUTO,
+                          "strategy='auto': per step, the planner's choice between gathering and sampling on "
+                          "shards (eager prices)")
+"""The demo's row for ``strategy="auto"``; it is priced as the strategy it chose."""
+
+
 def designs() -> list[plan.Design]:
-    return [d for d in plan.DESIGNS if not d.single_device]
+    """The rows the demo runs: every multi-rank design, then ``strategy="auto"``."""
+    return [d for d in plan.DESIGNS if not d.single_device] + [AUTO_DESIGN]
 
 
 def run_demo(model: str = "gpt2", ranks: int = 4, batch: int = 4, tokens: int = 8,
@@ -298,7 +305,8 @@ def rank_main(model_name: str, prompts: list[list[int]], tokens: int, progress: 
             result[mode.name] = {"tokens": g.tokens, "inputs": g.inputs, "seconds": g.step_seconds,
                                  "received": g.step_received, "collectives": g.step_collectives,
                                  "weights": weights, "peak_rss": rss.peak_bytes(peak),
-                                 "acceptance": g.acceptance_rate if mode.spec_tokens else None}
+                                 "acceptance": g.acceptance_rate if mode.spec_tokens else None,
+                                 "strategies": g.strategies}
             done += 1
             _say(progress and comm.rank(group) == 0,
                  f"[{done}/{total}] {design.name} {mode.name}: {1e3 * _mean(g.step_seconds[1:]):.1f} ms/step")
@@ -321,11 +329,15 @@ def _row(design: plan.Design, mode: Mode, runs: list[dict], reference: list[list
     measured = busiest(lambda r, s: sum(v for k, v in r["received"][s].items() if k not in APART))
     ids = busiest(lambda r, s: r["received"][s].get("sampled_ids", 0))
     calls = busiest(lambda r, s: sum(v for k, v in r["collectives"][s].items() if k != "draft"))
+    name = design.name
+    if design.strategy == AUTO:  # priced as what it chose, the same at every step
+        design = replace(design, strategy=runs[0]["strategies"][-1])
+        name = f"{name} ({design.strategy})"
     w = _workload(design, layout, hidden, batch, mode.params(batch), mode.spec_tokens)
     predicted = [mode.price(design, w, _largest_owner_count(layout, runs[0]["inputs"][s])) for s in decode]
     agrees = all(p.bytes <= m <= p.bytes_worst and p.collectives <= c <= p.collectives_worst
                  for m, c, p in zip(measured, calls, predicted))
-    return Row(design.name, design.engine, mode.name, equal, batch, _mean(measured),
+    return Row(name, design.engine, mode.name, equal, batch, _mean(measured),
                _mean([p.bytes for p in predicted]), _mean([p.bytes_worst for p in predicted]), _mean(calls),
                _mean([p.collectives for p in predicted]), _mean([p.collectives_worst for p in predicted]),
                agrees, _mean(ids), 1e3 * max(_mean(r["seconds"][1:]) for r in runs),

@@ -138,6 +138,10 @@ def select_rows(hidden: torch.Tensor, seq_lens: torch.Tensor | None = None, *,
     (``cumsum(seq_lens) - 1``), or the arbitrary rows ``output_ids`` (e.g. prompt logprobs)."""
     if (seq_lens is None) == (output_ids is None):
         raise ValueError("give exactly one of seq_lens or output_ids")
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
+        raise ValueError(f"select_rows: hidden must be packed [T, H] (the sequences' tokens one after "
+                         f"another), got shape {tuple(getattr(hidden, 'shape', ()))}: for [B, L, H] of "
+                         f"equal-length sequences pass hidden.reshape(-1, H) and seq_lens [L] * B")
     total = hidden.shape[0]
     if seq_lens is not None:
         lens = _int_vector(seq_lens, "seq_lens")
@@ -145,7 +149,8 @@ def select_rows(hidden: torch.Tensor, seq_lens: torch.Tensor | None = None, *,
             first = int(torch.nonzero(lens <= 0)[0])
             raise ValueError(f"seq_lens must be positive; sequence {first} has length {int(lens[first])}")
         if int(lens.sum()) != total:
-            raise ValueError(f"seq_lens sum to {int(lens.sum())} but hidden has {total} rows")
+            raise ValueError(f"seq_lens sum to {int(lens.sum())} but hidden has {total} rows: hidden must be "
+                             f"packed [T, H] with T = sum(seq_lens)")
         rows = lens.cumsum(0) - 1
     else:
         rows = _int_vector(output_ids, "output_ids")

@@ -111,8 +111,8 @@ def _shutdown_at_exit() -> None:
     try:
         shutdown()
     except Exception as e:  # a peer already gone: say so in one line, exit as planned
-        print(f"vocabpar: process group teardown failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}",
-              file=sys.stderr)
+        first = (str(e).splitlines() or [""])[0]
+        print(f"vocabpar: process group teardown failed: {type(e).__name__}: {first}", file=sys.stderr)
 
 
 def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,

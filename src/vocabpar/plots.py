@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vocabpar.plan import DESIGNS, Design, GiB, Workload, design_cost, winners
+from vocabpar.plan import DESIGNS, Design, GiB, Workload, crossover, design_cost, winners
 
 if TYPE_CHECKING:
     from vocabpar.demo import DemoResult
@@ -47,25 +47,41 @@ def save_png(fig, path: str) -> str:
 
 
 def plot_plan(w: Workload, path: str, designs: tuple[Design, ...] = DESIGNS) -> str:
-    """Write a PNG: decode-step bytes received per rank vs batch size and memory per rank vs
-    ranks, one line per design, and the map of which design wins (:func:`vocabpar.plan.winners`)
-    over latency per collective and bandwidth, with ``w``'s own point marked (needs the ``plot``
-    extra, matplotlib). Returns the path written (see ``png_path``)."""
+    """Write a PNG: the step's typical time vs batch size (gathering vs sampling on shards: the
+    crossover marked), the bytes received per rank per step vs batch size, memory per rank vs
+    ranks, one line per design, and the map of which design wins
+    (:func:`vocabpar.plan.winners`) over latency per collective and bandwidth, with ``w``'s own
+    point marked (needs the ``plot`` extra, matplotlib). Returns the path written (see
+    ``png_path``)."""
     png_path(path)  # a bad name fails before any work
     plt = pyplot()
     from matplotlib.colors import ListedColormap
 
-    batches = [2**k for k in range(13)]
+    batches = [2**k for k in range(15)]
     ranks = [2**k for k in range(7)]
-    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(19, 5))
+    fig, ((timed, left), (middle, right)) = plt.subplots(2, 2, figsize=(15, 11))
+    step = "verify" if w.spec_tokens else "decode"
     for i, d in enumerate(designs):
         style = {"marker": ".", "label": d.name, "linestyle": ("-", "--", ":", "-.")[i % 4]}
-        left.plot(batches, [design_cost(d, replace(w, batch=b)).step_bytes for b in batches], **style)
+        costs = [design_cost(d, replace(w, batch=b)) for b in batches]
+        timed.plot(batches, [c.step_time_s * 1e6 for c in costs], **style)
+        left.plot(batches, [c.step_bytes for c in costs], **style)
         middle.plot(ranks, [design_cost(d, replace(w, ranks=r, dp=math.gcd(w.dp, r), skew=None if w.skew
                                                    is None else max(w.skew, 1 / r))).memory_bytes / GiB
                             for r in ranks], **style)
+    at = crossover(w, step) if w.ranks > 1 else None
+    if at is not None and at > 1:
+        timed.axvline(at, color="black", linestyle=":", linewidth=1)
+        timed.annotate(f"crossover: gathering wins below B={at}", (at, 0.97),
+                       xycoords=("data", "axes fraction"), ha="right", va="top", fontsize=8, rotation=90)
+    timed.set(xscale="log", yscale="log", xlabel="batch (rows needing logits)",
+              ylabel=f"{'verification' if w.spec_tokens else 'decode'} step time per rank (µs, typical)",
+              title=f"{w.sampling.describe()}: {w.latency * 1e6:g} µs/collective, "
+                    f"{w.launch * 1e6:g} µs/launch, {w.sync * 1e6:g} µs/host read")
+    timed.legend(fontsize=7)
+    timed.grid(True, which="both", alpha=0.3)
     left.set(xscale="log", xlabel="batch (rows needing logits)",
-             ylabel="bytes received per rank per decode step",
+             ylabel="bytes received per rank per step",
              title=f"V={w.vocab}, H={w.hidden}, {w.ranks} ranks, dp {w.dp}")
     left.set_yscale("symlog", linthresh=1e3)
     left.set_ylim(bottom=0)

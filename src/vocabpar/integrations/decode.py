@@ -7,7 +7,8 @@ speculative one (:mod:`vocabpar.integrations.speculative`).
   :class:`KVStream` and :class:`Generation` -- everything before a loop's first step;
 * :class:`KVStream`: one model body's KV cache over rows that advance in lockstep;
 * :class:`Step`: hidden rows -> logits by collection strategy -> sampled (or verified) ids that
-  every rank holds, including which rows each rank samples and how their ids are shared.
+  every rank holds, including which rows each rank samples and how their ids are shared; with
+  ``strategy="auto"`` the planner picks the strategy per step (:meth:`Step.resolved`).
 
 Neither loop imports the other: both import this module, and ``hf`` imports ``speculative``.
 """
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from vocabpar import comm
+from vocabpar import comm, plan
 from vocabpar.collect import broadcast_tokens, compute_logits
 from vocabpar.head import ParallelLMHead, select_rows
 from vocabpar.layout import VocabLayout
@@ -34,6 +35,9 @@ from vocabpar.sampling.scoring import TokenLogprobs
 from vocabpar.wire.strategies import STRATEGIES
 
 GREEDY = SamplingParams(temperature=0.0)
+AUTO = "auto"
+"""The strategy that lets the planner choose, per step, between gathering the logits and
+sampling on shards (:class:`vocabpar.plan.Switch`)."""
 
 
 @dataclass
@@ -53,6 +57,7 @@ class Generation:
     step_collectives: list[dict[str, int]] = field(default_factory=list)
     drafted: int = 0  # speculative decoding: draft tokens proposed, and how many were accepted
     accepted: int = 0
+    strategies: list[str] = field(default_factory=list)  # the collection strategy each step ran
 
     @property
     def acceptance_rate(self) -> float:
@@ -215,9 +220,24 @@ def last_rows(states: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------- the step
 def can_verify(strategy: str) -> bool:
     """Whether speculative decoding runs with ``strategy``: on shards (:func:`verify`), or where
-    every rank ends with the full logits of every row (gather-then-verify)."""
+    every rank ends with the full logits of every row (gather-then-verify); ``auto`` chooses
+    between the two."""
+    if strategy == AUTO:
+        return True
     s = STRATEGIES[strategy]
     return s.on_shards or s.ids is None
+
+
+def planned_sampling(params: SamplingParams, batch: int, vocab: int) -> plan.Sampling:
+    """The planner's view of a batch's sampling: greedy when every row is; else the branches the
+    most demanding rows take (the largest top-k, the smallest top-p, the largest min-p). Computed
+    on the host from the parameters alone."""
+    r = params.resolve(batch, vocab)
+    sampled = ~r.greedy
+    if not bool(sampled.any()):
+        return plan.Sampling()
+    k = r.top_k[sampled].clamp(min=0)
+    return plan.Sampling(1.0, int(k.max()), float(r.top_p[sampled].min()), float(r.min_p[sampled].max()))
 
 
 @dataclass(frozen=True)
@@ -230,11 +250,28 @@ class Step:
     strategy: str
     group: comm.ProcessGroup = None
     scatter: str = "all_to_all"
+    switch: plan.Switch | None = None
+
+    def resolved(self, rows: int, params: SamplingParams, *, spec_tokens: int = 0,
+                 draft_logits: bool = False) -> Step:
+        """This step with ``auto`` replaced by the planner's choice for ``rows`` rows sampled with
+        ``params`` (verifying ``spec_tokens`` drafts per row when > 0): ``all_gather`` below the
+        crossover batch, ``none`` (sampling on shards) from it on. Every input is replicated, so
+        every rank chooses the same. Any other strategy is returned unchanged."""
+        if self.strategy != AUTO:
+            return self
+        vocab, n = self.layout.vocab_size, comm.world_size(self.group)
+        switch = self.switch or plan.Switch()
+        w = switch.workload(vocab, self.head.hidden_size, n, rows, planned_sampling(params, rows, vocab),
+                            pad_to=self.layout.pad_to, spec_tokens=spec_tokens, draft_logits=draft_logits)
+        return replace(self, strategy=switch.strategy(w, "verify" if spec_tokens else "decode"))
 
     def next_tokens(self, hidden: torch.Tensor, params: SamplingParams, positions: torch.Tensor,
                     counts: TokenCounts | None) -> torch.Tensor:
         """One id per row of ``hidden`` ``[B, H]``: sampled on shards, or each rank samples the
         rows whose full logits the strategy leaves it (``owns``), then the ids are shared."""
+        if self.strategy == AUTO:
+            return self.resolved(hidden.shape[0], params).next_tokens(hidden, params, positions, counts)
         s = STRATEGIES[self.strategy]
         B, n, me = hidden.shape[0], comm.world_size(self.group), comm.rank(self.group)
         if s.on_shards:

@@ -28,11 +28,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vocabpar import comm
+from vocabpar import comm, plan
 from vocabpar.collect import iter_logits
 from vocabpar.embedding import VocabParallelEmbedding
 from vocabpar.head import ParallelLMHead
 from vocabpar.integrations.decode import (
+    AUTO,
     Generation,
     Step,
     last_rows,
@@ -54,7 +55,8 @@ Scorer = Callable[[torch.Tensor, torch.Tensor], TokenLogprobs]  # (hidden rows, 
 @dataclass
 class ParallelCausalLM:
     """A causal LM whose embedding and head are vocab-parallel over ``group`` (see
-    :func:`parallelize`); ``strategy`` names how logits reach the sampler."""
+    :func:`parallelize`); ``strategy`` names how logits reach the sampler (``auto``: chosen per
+    step by ``switch``'s prices)."""
 
     model: nn.Module
     embedding: VocabParallelEmbedding
@@ -62,6 +64,7 @@ class ParallelCausalLM:
     strategy: str
     group: comm.ProcessGroup = None
     scatter: str = "all_to_all"
+    switch: plan.Switch | None = None
 
     @property
     def layout(self) -> VocabLayout:
@@ -69,15 +72,16 @@ class ParallelCausalLM:
 
     @property
     def step(self) -> Step:
-        """This model's decode step: its head, layout, strategy, group and scatter."""
-        return Step(self.head, self.layout, self.strategy, self.group, self.scatter)
+        """This model's decode step: its head, layout, strategy, group, scatter and switch."""
+        return Step(self.head, self.layout, self.strategy, self.group, self.scatter, self.switch)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None,
                  max_new_tokens: int = 16, *, prompt_logprobs: int | None = None, draft=None,
                  num_draft_tokens: int | None = None) -> Generation:
         """``max_new_tokens`` new tokens for every prompt (no stop tokens); ``params`` ``None``
         is greedy. Sampling is keyed on (seed, position, token id), so the tokens do not depend
-        on the number of ranks, the strategy or the batch. ``prompt_logprobs=n``: also score
+        on the number of ranks or the strategy, nor, with per-row seeds, on the batch (a scalar
+        seed gives each row its own, see ``SamplingParams``). ``prompt_logprobs=n``: also score
         every prompt's tokens 1.. (with the top ``n``) during the prefill, on the shards
         (:meth:`score`'s arithmetic); ``Generation.prompt_logprobs[b]`` holds prompt b's.
         ``draft`` and ``num_draft_tokens=k``: speculative decoding with ``k`` drafts per step from
@@ -89,8 +93,12 @@ class ParallelCausalLM:
             return speculative_generate(self, prompts, params, max_new_tokens, draft, num_draft_tokens)
         scorer = None if prompt_logprobs is None else functools.partial(self._score_rows,
                                                                          top_n=prompt_logprobs)
-        return _decode(self.model, self.embedding, self.layout.vocab_size, self.step.next_tokens, prompts,
-                       params, max_new_tokens, scorer)
+        out = _decode(self.model, self.embedding, self.layout.vocab_size, self.step.next_tokens, prompts,
+                      params, max_new_tokens, scorer)
+        # the choice depends on the batch size and parameters alone: the same at every step
+        chosen = self.step.resolved(len(prompts), params or SamplingParams(temperature=0.0)).strategy
+        out.strategies = [chosen] * len(out.step_seconds)
+        return out
 
     @torch.inference_mode()
     def score(self, input_ids: torch.Tensor, *, top_n: int = 0,
@@ -123,20 +131,28 @@ class ParallelCausalLM:
 
 def parallelize(model: nn.Module, *, group: comm.ProcessGroup = None, scheme: str = "padded",
                 strategy: str = "all_gather", exchange: str = "auto", scatter: str = "all_to_all",
-                deterministic: bool = False) -> ParallelCausalLM:
+                deterministic: bool = False, switch: plan.Switch | None = None) -> ParallelCausalLM:
     """Replace ``model``'s input embedding and LM head (in place) by vocab-parallel modules over
     ``group`` laid out by ``scheme``, loading this rank's rows from the model's own weights.
 
     ``strategy``: one of :data:`vocabpar.wire.strategies.STRATEGIES` (``replicated`` needs
-    ``scheme="replicated"``; ``none`` samples on sharded logits). ``exchange``: the embedding
+    ``scheme="replicated"``; ``none`` samples on sharded logits), or ``auto``: per step, the
+    planner's choice between ``all_gather`` and ``none`` for that batch size and sampling at
+    ``switch``'s prices (default :class:`vocabpar.plan.Switch`, the eager mode's), the same on
+    every rank; ``auto`` needs a sharded scheme. ``exchange``: the embedding
     exchange. ``scatter``: how ``dp_gather_scatter`` returns rows (``all_to_all``, or SGLang's
     ``all_gather``; each rank then stands for one DP attention group holding a contiguous block
     of the batch).
     ``deterministic``: logits whose bits do not depend on the number of ranks (see
     :class:`ParallelLMHead`)."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; expected one of {sorted(STRATEGIES)}")
-    if STRATEGIES[strategy].replicated_only != (scheme == "replicated"):
+    if strategy not in (*STRATEGIES, AUTO):
+        raise ValueError(f"unknown strategy {strategy!r}; expected one of {sorted(STRATEGIES) + [AUTO]}")
+    if strategy == AUTO and scheme == "replicated":
+        raise ValueError("strategy='auto' chooses between gathering and sampling on shards: it needs a "
+                         "sharded scheme, not 'replicated'")
+    if switch is not None and not isinstance(switch, plan.Switch):
+        raise ValueError(f"switch must be a vocabpar.plan.Switch, got {type(switch).__name__}")
+    if strategy != AUTO and STRATEGIES[strategy].replicated_only != (scheme == "replicated"):
         raise ValueError(f"strategy='replicated' goes with scheme='replicated' and only with it "
                          f"(got strategy={strategy!r}, scheme={scheme!r})")
     for key in ("final_logit_softcapping", "logit_scale"):
@@ -166,7 +182,7 @@ def parallelize(model: nn.Module, *, group: comm.ProcessGroup = None, scheme: st
         head.load_full_bias(target.bias.detach())
     model.set_input_embeddings(embedding)
     model.set_output_embeddings(head)
-    return ParallelCausalLM(model.eval(), embedding, head, strategy, group, scatter)
+    return ParallelCausalLM(model.eval(), embedding, head, strategy, group, scatter, switch)
 
 
 def reference_generate(model: nn.Module, prompts: Sequence[Sequence[int]],

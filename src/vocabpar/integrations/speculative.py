@@ -95,21 +95,25 @@ def speculative_generate(lm, prompts: Sequence[Sequence[int]], params: SamplingP
         raise ValueError("speculative decoding does not apply repetition, presence or frequency penalties")
     req = open_request(lm.model, lm.embedding, V, prompts, params, max_new_tokens)
     ids, mask, start_positions, device = req.ids, req.mask, req.position_ids, req.device
-    target, out, step = req.stream, req.out, lm.step
+    target, out = req.stream, req.out
     context = [list(p) for p in prompts]
     greedy = bool(rows.greedy.all())
     draft_params = replace(params.take(B, V, torch.arange(B)), seed=rows.seed ^ DRAFT_SEED)
+    # strategy "auto": each kind of step resolved once, from the batch size and parameters alone
+    first_step = lm.step.resolved(B, params)
+    step = lm.step.resolved(B, params, spec_tokens=k, draft_logits=model_draft and not greedy)
 
     with torch.inference_mode():
         before, began = comm.traffic(), time.perf_counter()
         states = target.feed(ids, start_positions, mask.bool())
-        first = step.draw(step.logits(last_rows(states)), params, req.positions)
+        first = first_step.draw(first_step.logits(last_rows(states)), params, req.positions)
         drafter = None
         if model_draft:
             drafter = KVStream(draft.model.base_model, draft.embedding, B, device)
             with comm.booked_as("draft"):
                 drafter.feed(ids, start_positions, mask.bool())
         out.record(before, began, ids)
+        out.strategies.append(first_step.strategy)
         unfed = [[t] for t in first.tolist()]  # emitted tokens the draft model has not seen
         for b, t in enumerate(first.tolist()):
             out.tokens[b].append(t)
@@ -119,8 +123,8 @@ def speculative_generate(lm, prompts: Sequence[Sequence[int]], params: SamplingP
             positions = _lengths(context, device)  # of the first draft token
             if model_draft:
                 with comm.booked_as("draft"):
-                    drafts, draft_logits = _propose(draft.step, drafter, unfed, positions, draft_params, k,
-                                                    greedy)
+                    drafts, draft_logits = _propose(draft.step.resolved(B, draft_params), drafter, unfed,
+                                                    positions, draft_params, k, greedy)
             else:
                 drafts = torch.tensor([draft.propose(c, k) for c in context], dtype=torch.long, device=device)
                 draft_logits = None
@@ -145,6 +149,7 @@ def speculative_generate(lm, prompts: Sequence[Sequence[int]], params: SamplingP
             out.drafted += B * k
             out.accepted += int(accepted.sum())
             out.record(before, began, fed)
+            out.strategies.append(step.strategy)
     out.tokens = [t[:max_new_tokens] for t in out.tokens]
     return out
 

@@ -2,9 +2,10 @@
 
 Units, limits and dtype sizes; the quantities (weights, logits, FLOPs, times); the workload, its
 sampling and the designs; the traffic of a decode step, of speculative verification and of
-scoring, composed from the collectives each takes part in; and :func:`plan`, every design priced
-on a workload. Recommending a design, formatting and the study's figures live in
-:mod:`vocabpar.plan.report`, pictures in :mod:`vocabpar.plots`.
+scoring, composed from the collectives each takes part in. Each design priced on a workload is
+:mod:`vocabpar.plan.cost`'s, the launches and host reads it adds :mod:`vocabpar.plan.host`'s;
+recommending a design, formatting and the study's figures live in :mod:`vocabpar.plan.report`,
+pictures in :mod:`vocabpar.plots`.
 
 Every quantity is one small function of explicit shapes returning base units (bytes, FLOPs,
 seconds). Traffic is the bytes *received by the busiest rank*, under the byte model that
@@ -18,18 +19,20 @@ and sizes (what they send, which rows each rank ends with, what it receives and 
 Topology: ``ranks`` ranks share the vocabulary (the head's TP group). Attention is either
 tensor-parallel (``dp=1``: every rank holds all ``batch`` hidden rows) or data-parallel over
 ``dp`` groups (each holds ``ceil(batch/dp)`` rows, so a sharded head first gathers the other
-groups' hidden rows). Activations travel in the weight dtype. Time follows the alpha-beta model:
-every collective costs ``latency`` before its bytes move at ``bandwidth``, plus the head's FLOPs
-at ``flops``, without overlap. The per-call agreement checks, which production turns off, and
+groups' hidden rows). Activations travel in the weight dtype. Time follows the alpha-beta model
+with fixed costs: every collective costs ``latency`` before its bytes move at ``bandwidth``,
+every kernel launch ``launch`` and every host read ``sync`` (:mod:`vocabpar.plan.machine`), plus
+the head's FLOPs at ``flops``, without overlap. The per-call agreement checks, which production turns off, and
 the bytes of sampled ids sent back are left out; the collectives that send those ids are counted.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from vocabpar.layout import VocabLayout
+from vocabpar.plan.machine import DEFAULT_MODE, MODES
 from vocabpar.wire.scripts import (
     SCORE_ROWS,
     SamplePath,
@@ -60,16 +63,15 @@ LIMITS: dict[str, tuple[float, float]] = {
     "vocab": (1, 2**31), "hidden": (1, 2**20), "ranks": (1, 2**16), "dp": (1, 2**16),
     "batch": (0, 2**24), "tokens": (0, 2**31), "weight_dtype_bytes": (1, 8), "logits_dtype_bytes": (1, 8),
     "pad_to": (1, 2**20), "bandwidth": (1e3, 1e18), "flops": (1e6, 1e21), "kv_bytes_per_token": (1e-3, 1e12),
-    "latency": (0.0, 1.0), "spec_tokens": (0, 2**10), "score_tokens": (0, 2**31), "score_top_n": (0, 2**10),
+    "latency": (0.0, 1.0), "launch": (0.0, 1.0), "sync": (0.0, 1.0),
+    "spec_tokens": (0, 2**10), "score_tokens": (0, 2**31), "score_top_n": (0, 2**10),
     "skew": (0.0, 1.0), "headroom": (0, 1e6 * GiB),
     "temperature": (0.0, 1e6), "top_k": (0, 2**31), "top_p": (1e-9, 1.0), "min_p": (0.0, 1.0),
 }
 SAMPLING_LIMITS = ("temperature", "top_k", "top_p", "min_p")
-LATENCY = 15e-6
-"""Default seconds per collective (the alpha of the alpha-beta model) for NVLink-class NCCL: a
-small all-reduce takes 3.5-6 us of kernel time in nccl-tests on 2-8 H100/H800 GPUs (NVIDIA/nccl
-GitHub issues 1259 and 1984), and a call outside CUDA graphs adds about 10 us of launch and host
-synchronisation."""
+LATENCY, LAUNCH, SYNC = (getattr(MODES[DEFAULT_MODE], name) for name in ("latency", "launch", "sync"))
+"""Default seconds per collective (alpha), per kernel launch (lambda) and per host read: the
+``eager`` execution mode's figures (:data:`vocabpar.plan.machine.MODES`, with their sources)."""
 
 
 def check_limit(name: str, value: float) -> None:
@@ -225,8 +227,10 @@ class Workload:
     draft tokens verified per row and step (0: no speculative decoding); ``draft_logits``: the
     drafts come with the draft model's logits. ``score_tokens``: prompt tokens scored (log
     probabilities with the top ``score_top_n``) per request. ``skew``: the share of a forward's
-    tokens owned by the busiest rank (``None``: balanced, 1/ranks). Every numeric field lies in
-    its ``LIMITS`` range, which keeps every planned quantity finite."""
+    tokens owned by the busiest rank (``None``: balanced, 1/ranks). ``kv_bytes_per_token``: the
+    KV cache one token takes on each rank, from the model (``None``: unknown, no KV column).
+    ``latency``/``launch``/``sync``: seconds per collective, kernel launch and host read. Every
+    numeric field lies in its ``LIMITS`` range, which keeps every planned quantity finite."""
 
     vocab: int
     hidden: int
@@ -239,9 +243,11 @@ class Workload:
     logits_dtype_bytes: int = 2
     bandwidth: float = 300e9
     flops: float = 600e12
-    kv_bytes_per_token: float = 890
+    kv_bytes_per_token: float | None = None
     pad_to: int = 64
     latency: float = LATENCY
+    launch: float = LAUNCH
+    sync: float = SYNC
     sampling: Sampling = field(default_factory=Sampling)
     spec_tokens: int = 0
     draft_logits: bool = False
@@ -267,8 +273,11 @@ class Workload:
 @dataclass(frozen=True)
 class Design:
     """One engine's way through the vocabulary dimension: layout scheme, embedding exchange,
-    logits collection ``strategy`` (:data:`vocabpar.wire.strategies.STRATEGIES`). ``single_device``:
-    no TP at all (llama.cpp; input embedding on the host)."""
+    logits collection ``strategy`` (:data:`vocabpar.wire.strategies.STRATEGIES`) and the
+    ``sampler`` it runs (:data:`vocabpar.plan.host.SAMPLERS`: the functional sampler on shards,
+    vocabpar's engine Sampler on shards, or an engine's own sampler on full rows).
+    ``single_device``: no TP at all (llama.cpp; input embedding on the host). ``summary_tp``: the
+    summary when attention is tensor-parallel (``dp`` 1), where it differs."""
 
     name: str
     engine: str
@@ -277,6 +286,12 @@ class Design:
     strategy: str
     summary: str
     single_device: bool = False
+    sampler: str = "dense"
+    summary_tp: str | None = None
+
+    def describe(self, dp: int) -> str:
+        """The summary that fits a workload with ``dp`` attention groups."""
+        return self.summary_tp if dp == 1 and self.summary_tp else self.summary
 
 
 DESIGNS: tuple[Design, ...] = (
@@ -285,9 +300,13 @@ DESIGNS: tuple[Design, ...] = (
     Design("vllm-gather", "vLLM", "padded", "all_reduce", "gather",
            "pad and shard; gather logits to rank 0, which samples and broadcasts ids"),
     Design("sglang-dp-gather-scatter", "SGLang", "padded", "all_reduce", "dp_gather_scatter",
-           "DP attention: gather hidden, head once, all-gather logits, keep own rows"),
+           "DP attention: gather hidden, head once, all-gather logits, keep own rows",
+           summary_tp="all-gather logits, each rank samples its own rows, all-gather ids (DP attention's "
+                      "path at dp 1)"),
     Design("sglang-all-to-all", "SGLang", "padded", "all_reduce", "all_to_all",
-           "DP attention: row-block all-to-all, full-vocab rows of the own block only"),
+           "DP attention: row-block all-to-all, full-vocab rows of the own block only",
+           summary_tp="row-block all-to-all: each rank samples full-vocab rows of its own block, all-gather "
+                      "ids"),
     Design("trtllm-uneven", "TensorRT-LLM", "uneven", "all_reduce", "all_gather",
            "ceil(V/n) rows, no padding; size-aware all-gather"),
     Design("llama.cpp", "llama.cpp", "replicated", "local", "replicated",
@@ -295,8 +314,8 @@ DESIGNS: tuple[Design, ...] = (
     Design("deepinfer-replicated", "DeepInfer", "replicated", "local", "replicated",
            "both matrices on every rank: local lookup, logits and sampling"),
     Design("vocabpar-sharded", "vocabpar", "padded", "owner_gather", "none",
-           "owner-gather embedding (priced at the skew); sample on sharded logits (the step's "
-           "sampling priced: typical peaked rows, worst case in --json)"),
+           "owner-gather embedding (priced at the skew); the functional sampler on sharded logits (typical "
+           "peaked rows, worst case in --json)", sampler="functional"),
 )
 
 
@@ -348,48 +367,6 @@ def score_bytes(name: str, w: Workload, ranks: int, scheme: str) -> tuple[int, i
     return received, logits_bytes(min(T, SCORE_ROWS), shard_rows(w.vocab, ranks, scheme, w.pad_to), b)
 
 
-@dataclass(frozen=True)
-class DesignCost:
-    """Per-rank cost of one design (busiest rank; bytes, FLOPs, seconds, tokens).
-
-    ``embedding_bytes``/``embedding_time_s``: one forward of ``tokens`` tokens.
-    ``step_bytes``/``collectives``: one decode step -- embedding of the ``batch`` new tokens,
-    hidden gather, logits collection (``collection_bytes``) or sampling on shards -- in the
-    typical case (:class:`Traffic`), ``step_bytes_worst``/``collectives_worst`` at most; each
-    collective costs ``latency`` before its bytes: ``step_time_s = collectives·latency +
-    step_bytes/bandwidth + head_time_s`` (``step_time_worst_s`` likewise). ``verify_*``: the
-    logits path of verifying ``spec_tokens`` drafts per row (typical case); ``score_bytes``,
-    ``score_peak_bytes``: scoring ``score_tokens`` prompt tokens. ``extra_memory_bytes``:
-    weights + logits above the leanest design; ``kv_tokens`` what that memory would hold as KV
-    cache."""
-
-    name: str
-    engine: str
-    summary: str
-    ranks: int
-    weight_bytes: int
-    logits_buffer_bytes: int
-    memory_bytes: int
-    embedding_bytes: int
-    embedding_time_s: float
-    hidden_gather_bytes: int
-    collection_bytes: int
-    step_bytes: int
-    step_bytes_worst: int
-    head_flops: int
-    head_time_s: float
-    step_time_s: float
-    step_time_worst_s: float
-    collectives: int
-    collectives_worst: int
-    verify_bytes: int
-    verify_collectives: int
-    score_bytes: int
-    score_peak_bytes: int
-    extra_memory_bytes: int = 0
-    kv_tokens: int = 0
-
-
 def step_traffic(design: Design, w: Workload, *, owned: int | None = None, checked: bool = False) -> Traffic:
     """One decode step of ``design`` on ``w``: the embedding exchange of the ``batch`` new
     tokens (``owned``: the largest owner's count, default from ``w.skew``), with DP attention the
@@ -423,50 +400,3 @@ def verify_step_traffic(design: Design, w: Workload, *, owned: int | None = None
         return Traffic()
     return (embedding_traffic(design, w, w.batch * (w.spec_tokens + 1), n, owned)
             + verify_traffic(design.strategy, w, n, design.scheme))
-
-
-def design_cost(design: Design, w: Workload) -> DesignCost:
-    """Price ``design`` on workload ``w`` (``extra_memory_bytes``/``kv_tokens`` left at 0; see
-    ``plan``)."""
-    n = 1 if design.single_device else w.ranks
-    dp = 1 if design.single_device else w.dp
-    s = strategy(design.strategy)
-    cols = shard_rows(w.vocab, n, design.scheme, w.pad_to)
-    matrices = 1 if design.single_device else w.matrices
-    weights = weight_bytes(cols, w.hidden, w.weight_dtype_bytes, matrices)
-    logits = logits_buffer_bytes(design.strategy, w.batch, w.vocab, n, w.logits_dtype_bytes,
-                                 scheme=design.scheme, pad_to=w.pad_to, dp=dp)
-    embedding = embedding_exchange_bytes(design.embedding, w.tokens, w.hidden, n, w.weight_dtype_bytes,
-                                         owned=busiest_owner(w.tokens, n, w.skew))
-    hidden = 0 if design.scheme == "replicated" else hidden_gather_bytes(w.batch, dp, w.hidden,
-                                                                         w.weight_dtype_bytes)
-    step = step_traffic(design, w)
-    collection = logits_traffic(design.strategy, w.batch, w, n, design.scheme).bytes
-    verify = verify_traffic(design.strategy, w, n, design.scheme)
-    scored, score_peak = score_bytes(design.strategy, w, n, design.scheme)
-    flops = head_flops(s.local_rows(w.batch, dp), cols, w.hidden)
-    head_time = compute_time(flops, w.flops)
-
-    def time(collectives: int, nbytes: int) -> float:
-        return collectives * w.latency + transfer_time(nbytes, w.bandwidth) + head_time
-
-    return DesignCost(
-        name=design.name, engine=design.engine, summary=design.summary, ranks=n,
-        weight_bytes=weights, logits_buffer_bytes=logits, memory_bytes=weights + logits,
-        embedding_bytes=embedding, embedding_time_s=transfer_time(embedding, w.bandwidth),
-        hidden_gather_bytes=hidden, collection_bytes=collection,
-        step_bytes=step.bytes, step_bytes_worst=step.bytes_worst, head_flops=flops, head_time_s=head_time,
-        step_time_s=time(step.collectives, step.bytes),
-        step_time_worst_s=time(step.collectives_worst, step.bytes_worst),
-        collectives=step.collectives, collectives_worst=step.collectives_worst,
-        verify_bytes=verify.bytes, verify_collectives=verify.collectives,
-        score_bytes=scored, score_peak_bytes=score_peak)
-
-
-def plan(w: Workload, designs: tuple[Design, ...] = DESIGNS) -> list[DesignCost]:
-    """Every design priced on ``w``, with its memory above the leanest one in KV tokens."""
-    costs = [design_cost(d, w) for d in designs]
-    leanest = min(c.memory_bytes for c in costs)
-    return [replace(c, extra_memory_bytes=c.memory_bytes - leanest,
-                    kv_tokens=kv_tokens(c.memory_bytes - leanest, w.kv_bytes_per_token)) for c in costs]
-

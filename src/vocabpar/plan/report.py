@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from vocabpar.plan.cost import DesignCost, plan
 from vocabpar.plan.model import (
     DESIGNS,
     Design,
-    DesignCost,
     GiB,
     KiB,
     MiB,
@@ -23,7 +23,6 @@ from vocabpar.plan.model import (
     kv_tokens,
     logits_bytes,
     logits_collection_bytes,
-    plan,
     shard_rows,
     transfer_time,
     weight_bytes,
@@ -54,9 +53,11 @@ def recommend(costs: list[DesignCost], headroom_bytes: float | None = None) -> R
                          f"per rank than {min(costs, key=lambda c: c.memory_bytes).name}")
     best = fits[0]
     runner = next((c for c in fits[1:] if c.step_time_s > best.step_time_s), None)
-    reason = (f"{best.name} has the shortest estimated decode step"
+    step = "verification" if best.step == "verify" else "decode"
+    reason = (f"{best.name} has the shortest estimated {step} step"
               f"{' within the headroom' if best is not ranked[0] else ''}: "
-              f"{human(best.step_time_s, 'seconds')} ({human(best.step_bytes, 'bytes')} received, "
+              f"{human(best.step_time_s, 'seconds')} ({human(best.step_bytes, 'bytes')} received in "
+              f"{best.collectives} collectives, {best.launches} launches, {best.host_reads} host reads, "
               f"head {human(best.head_time_s, 'seconds')})")
     reason += f" vs {human(runner.step_time_s, 'seconds')} for {runner.name}." if runner else "."
     if best is not ranked[0]:
@@ -65,8 +66,9 @@ def recommend(costs: list[DesignCost], headroom_bytes: float | None = None) -> R
                    f"{human(faster.extra_memory_bytes, 'ibytes')} more per rank than {leanest.name}, "
                    f"above the {human(headroom_bytes, 'ibytes')} headroom.")
     elif best.extra_memory_bytes:
+        room = "" if best.kv_tokens is None else f", room for {human(best.kv_tokens, 'tokens')} of KV cache"
         reason += (f" It holds {human(best.extra_memory_bytes, 'ibytes')} more per rank than "
-                   f"{leanest.name}, room for {human(best.kv_tokens, 'tokens')} of KV cache.")
+                   f"{leanest.name}{room}.")
     else:
         reason += f" It is also the leanest design ({human(best.memory_bytes, 'ibytes')} per rank)."
     return Recommendation(best.name, reason, tuple(c.name for c in ranked))
@@ -107,7 +109,8 @@ def human(value: float, kind: str) -> str:
 
 
 # The reference workload of the study: DeepSeek-V4.1-Flash, TP=8, BF16.
-STUDY = Workload(vocab=129280, hidden=5120, tied=False, ranks=8, batch=256, tokens=8192)
+STUDY = Workload(vocab=129280, hidden=5120, tied=False, ranks=8, batch=256, tokens=8192,
+                 kv_bytes_per_token=890)
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,8 @@ class SamplingParams:
             object.__setattr__(self, "seed", _fresh_seed())
         for name, choices in (("filter_order", FILTER_ORDERS), ("logprobs_of", LOGPROBS_OF)):
             if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
-                raise ValueError(f"SamplingParams: {name} must be one of {choices}, got {getattr(self, name)!r}")
+                raise ValueError(f"SamplingParams: {name} must be one of {choices}, "
+                                 f"got {getattr(self, name)!r}")
         for name, dtype in ROW_FIELDS.items():
             value = getattr(self, name)
             if not isinstance(value, (list, tuple)) and getattr(value, "ndim", 0) == 0:  # a scalar
@@ -336,7 +337,7 @@ def check_sample_inputs(name: str, logits: torch.Tensor, columns: int | None, vo
     if not isinstance(logits, torch.Tensor) or logits.dtype != torch.float32 or logits.dim() != 2 \
             or columns not in (None, logits.shape[1]):
         raise ValueError(f"{name} must be float32 [B, {'V' if columns is None else columns}]{where}, "
-                         f"got {describe(logits)}")
+                         f"got {describe(logits)}{_logits_hint(logits, columns, vocab_size)}")
     B, vocab_size = logits.shape[0], vocab_size or logits.shape[1]
     rows = params.resolve(B, vocab_size)
     pos = check_positions(positions, B)
@@ -345,6 +346,21 @@ def check_sample_inputs(name: str, logits: torch.Tensor, columns: int | None, vo
     if bitmask is not None:
         check_bitmask(bitmask, B, vocab_size)
     return rows, *to_device(logits.device, pos, token_counts, bitmask)
+
+
+def _logits_hint(logits: object, columns: int | None, vocab_size: int | None) -> str:
+    """What a rejected logits tensor most likely is, and the fix."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        return ""
+    width = logits.shape[1]
+    if columns is not None and width != columns:
+        if width == vocab_size:
+            return (f": these are full rows of the vocabulary ({vocab_size} ids) but the layout gives this "
+                    f"rank {columns} columns; pass this rank's shard (compute_logits(strategy='none')) or "
+                    f"sample full rows with reference_sample")
+        return (f": the layout gives this rank {columns} columns of a {vocab_size}-id vocabulary; build it "
+                f"with the model's vocabulary size and this group's world size")
+    return f": convert them with .float() (from {logits.dtype})" if logits.dtype != torch.float32 else ""
 
 
 def describe(t: object) -> str:

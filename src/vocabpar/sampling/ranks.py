@@ -54,6 +54,8 @@ def agreed(where: str, layout: VocabLayout, group: comm.ProcessGroup,
 
 
 def params_fact(rows: Rows) -> torch.Tensor:
-    """The per-row sampling parameters as one int64 tensor, for the agreement check."""
-    return torch.cat([getattr(rows, name).double().view(torch.long) if dtype.is_floating_point
-                      else getattr(rows, name) for name, dtype in ROW_FIELDS.items()])
+    """The per-row sampling parameters as one int64 tensor, field after field, for the agreement
+    check; a disagreement names the fields that differ (:func:`vocabpar.comm.with_parts`)."""
+    return comm.with_parts(torch.cat([getattr(rows, name).double().view(torch.long) if dtype.is_floating_point
+                                      else getattr(rows, name) for name, dtype in ROW_FIELDS.items()]),
+                           list(ROW_FIELDS))

@@ -1,0 +1,195 @@
+"""Kernel launches and host reads per decode step, per design: the data the planner prices at
+``launch`` and ``sync`` seconds each.
+
+Collectives are counted from the wire scripts; launches and host reads are counted from the code
+paths, measured by running them (``tests/host_probe.py``: every ATen operation that does work is
+a launch; a host read is a read of a device value or an op whose output size depends on the
+data, :mod:`vocabpar.host_reads`). ``tests/test_host_work.py`` measures vocabpar's own paths again
+and fails when a table below no longer matches the code. Counts are per call, independent of the
+batch size.
+
+Each design names the sampler it runs (:attr:`vocabpar.plan.Design.sampler`):
+
+* ``"functional"``: :func:`vocabpar.sample` (and :func:`vocabpar.sampling.verify`) on the shards,
+  adaptive: its launches and reads depend on the path a call takes. Typical: LLM-like peaked
+  rows; worst: the most measured on peaked, flat, Zipf and heavily tied rows.
+* ``"engine"``: :class:`vocabpar.sampling.Sampler` on the shards: one fixed script, no host read.
+  Its launch counts plug in here (:data:`ENGINE`) once recorded; until then no design uses it.
+* ``"dense"``: an engine's own sampler on the full rows a collecting or replicated design holds:
+  vLLM's PyTorch-native sampler (``vllm/v1/sample``, ``Sampler.sample`` with
+  ``TopKTopPSampler.forward_native``, min-p's ``MinPLogitsProcessor.apply``), counted the same
+  way by running its functions at vllm-project/vllm@01fa3fe (top-k/top-p), 3e34265 (sampler),
+  bf17660 (min-p). Its Triton and FlashInfer paths launch fewer kernels; its min-p writes through
+  a boolean mask (one host read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+
+
+@dataclass(frozen=True)
+class HostWork:
+    """Launches and host reads of a step: typical, and at most ``*_worst``. Host work adds up."""
+
+    launches: int = 0
+    reads: int = 0
+    launches_worst: int = 0
+    reads_worst: int = 0
+
+    def __add__(self, other: HostWork) -> HostWork:
+        return HostWork(self.launches + other.launches, self.reads + other.reads,
+                        self.launches_worst + other.launches_worst, self.reads_worst + other.reads_worst)
+
+
+def fixed(launches: int, reads: int) -> HostWork:
+    """Host work that does not depend on the data."""
+    return HostWork(launches, reads, launches, reads)
+
+
+@dataclass(frozen=True)
+class SamplerKey:
+    """The branches that decide a sampler's host work: greedy, or sampled with a top-k that is
+    off, within round one's candidates or beyond them (a threshold search), top-p, min-p."""
+
+    greedy: bool
+    top_k: str = "none"
+    top_p: bool = False
+    min_p: bool = False
+
+
+SAMPLER_KEYS: tuple[SamplerKey, ...] = (SamplerKey(True),) + tuple(
+    SamplerKey(False, k, p, m) for k, p, m in product(("none", "candidates", "search"), (False, True),
+                                                       (False, True)))
+
+
+def sampler_key(temperature: float, top_k: int, top_p: float, min_p: float, vocab: int,
+                candidates: int) -> SamplerKey:
+    """The key of a step's sampling; ``candidates``: round one's candidates per rank."""
+    if temperature == 0:
+        return SamplerKey(True)
+    k = "none" if not 0 < top_k < vocab else "candidates" if top_k <= candidates else "search"
+    return SamplerKey(False, k, top_p < 1, min_p > 0)
+
+
+K = SamplerKey
+FUNCTIONAL: dict[SamplerKey, HostWork] = {
+    K(True): HostWork(107, 16, 107, 16),
+    K(False, "none", False, False): HostWork(862, 37, 862, 37),
+    K(False, "none", False, True): HostWork(576, 31, 858, 37),
+    K(False, "none", True, False): HostWork(680, 35, 1500, 68),
+    K(False, "none", True, True): HostWork(680, 35, 1500, 68),
+    K(False, "candidates", False, False): HostWork(588, 35, 870, 41),
+    K(False, "candidates", False, True): HostWork(588, 35, 870, 41),
+    K(False, "candidates", True, False): HostWork(674, 39, 1512, 72),
+    K(False, "candidates", True, True): HostWork(674, 39, 1512, 72),
+    K(False, "search", False, False): HostWork(1055, 56, 1389, 65),
+    K(False, "search", False, True): HostWork(1059, 56, 1393, 65),
+    K(False, "search", True, False): HostWork(882, 49, 1754, 85),
+    K(False, "search", True, True): HostWork(882, 49, 1754, 85),
+}
+"""``vocabpar.sample`` on the shards, per key (the busiest rank: one holding padding)."""
+FUNCTIONAL_VERIFY: dict[tuple[SamplerKey, bool], HostWork] = {
+    (K(True), False): HostWork(143, 20, 143, 20),
+    (K(False, "none", False, False), False): HostWork(891, 41, 891, 41),
+    (K(False, "none", False, False), True): HostWork(1503, 49, 1503, 49),
+    (K(False, "none", False, True), False): HostWork(613, 35, 895, 41),
+    (K(False, "none", False, True), True): HostWork(1225, 43, 1507, 49),
+    (K(False, "none", True, False), False): HostWork(717, 39, 1537, 72),
+    (K(False, "none", True, False), True): HostWork(1329, 47, 2149, 80),
+    (K(False, "none", True, True), False): HostWork(717, 39, 1537, 72),
+    (K(False, "none", True, True), True): HostWork(1329, 47, 2149, 80),
+    (K(False, "candidates", False, False), False): HostWork(625, 39, 907, 45),
+    (K(False, "candidates", False, False), True): HostWork(1237, 47, 1519, 53),
+    (K(False, "candidates", False, True), False): HostWork(625, 39, 907, 45),
+    (K(False, "candidates", False, True), True): HostWork(1237, 47, 1519, 53),
+    (K(False, "candidates", True, False), False): HostWork(711, 43, 1549, 76),
+    (K(False, "candidates", True, False), True): HostWork(1323, 51, 2161, 84),
+    (K(False, "candidates", True, True), False): HostWork(711, 43, 1549, 76),
+    (K(False, "candidates", True, True), True): HostWork(1323, 51, 2161, 84),
+    (K(False, "search", False, False), False): HostWork(1092, 60, 1426, 69),
+    (K(False, "search", False, False), True): HostWork(1704, 68, 2038, 77),
+    (K(False, "search", False, True), False): HostWork(1096, 60, 1430, 69),
+    (K(False, "search", False, True), True): HostWork(1708, 68, 2042, 77),
+    (K(False, "search", True, False), False): HostWork(919, 53, 1791, 89),
+    (K(False, "search", True, False), True): HostWork(1531, 61, 2403, 97),
+    (K(False, "search", True, True), False): HostWork(919, 53, 1791, 89),
+    (K(False, "search", True, True), True): HostWork(1531, 61, 2403, 97),
+}
+"""``vocabpar.sampling.verify`` on the shards, per key and whether draft logits come along (a
+greedy row ignores them)."""
+SCORE: dict[bool, tuple[int, int, int]] = {False: (90, 7, 1), True: (114, 7, 1)}
+"""``token_logprobs`` on one block of shards, without and with top-n lists: ``(launches, more
+launches per rank, host reads)`` (merging the gathered records takes a few ops per rank)."""
+COLLECT: dict[str, tuple[int, int, int]] = {
+    "all_gather": (4, 2, 0), "gather": (4, 2, 0), "all_to_all": (4, 2, 0), "dp_gather_scatter": (7, 2, 4),
+    "none": (4, 0, 0), "replicated": (4, 0, 0)}
+"""``compute_logits`` per strategy on two or more ranks, the head's GEMM included: ``(launches,
+more launches per rank, host reads)``; the ids exchanges launch nothing but their collective.
+DP attention reads the exchanged row counts on the host."""
+ENGINE: dict[SamplerKey, HostWork | None] = {key: None for key in SAMPLER_KEYS}
+"""``vocabpar.sampling.Sampler`` on the shards, per key: no host read by design; its launches plug
+in here once recorded (``None``: not yet)."""
+DENSE: dict[SamplerKey, HostWork] = {
+    K(True): fixed(2, 0),
+    **{K(False, k, p, m): fixed(6 + 6 * (k != "none") + (8 if p and k == "none" else 6 * p) + 5 * m, int(m))
+       for k in ("none", "candidates", "search") for p in (False, True) for m in (False, True)},
+}
+"""An engine's own sampler on full rows (vLLM's PyTorch-native path, BF16 logits in), per key:
+greedy is a cast and an argmax; temperature and the draw 6; top-k 6 more, top-p 8 (6 with top-k:
+they share the sort); min-p 5 and one host read (its boolean-mask write)."""
+DENSE_VERIFY: dict[tuple[bool, bool, bool], HostWork] = {
+    (True, False, False): fixed(14, 0), (False, False, False): fixed(34, 0),
+    (False, True, False): fixed(49, 0), (False, False, True): fixed(53, 0), (False, True, True): fixed(64, 0)}
+"""An engine's rejection sampler on full rows (vLLM's, with its bonus-token sampler), per
+(greedy, top-k, top-p); min-p, which it applies to the bonus rows only, adds 5 launches and a
+host read."""
+DENSE_SCORE: dict[bool, HostWork] = {False: fixed(6, 0), True: fixed(9, 0)}
+"""An engine's prompt logprobs on the gathered rows (vLLM's ``compute_logprobs`` and
+``gather_logprobs``, one call), without and with top-n lists."""
+SAMPLERS = ("functional", "engine", "dense")
+
+
+def _per_rank(entry: tuple[int, int, int], ranks: int) -> HostWork:
+    launches, per_rank, reads = entry
+    return fixed(launches + per_rank * ranks, reads)
+
+
+def collect_work(strategy: str, ranks: int) -> HostWork:
+    """Launches and reads of collecting one batch's logits with ``strategy`` (a single rank runs
+    its GEMM only)."""
+    return _per_rank(COLLECT["none" if ranks == 1 else strategy], ranks)
+
+
+def sampler_work(sampler: str, key: SamplerKey) -> HostWork:
+    """One sampler call of kind ``sampler`` (:data:`SAMPLERS`) on a batch of ``key``'s rows."""
+    if sampler == "functional":
+        return FUNCTIONAL[key]
+    if sampler == "dense":
+        return DENSE[key]
+    if sampler == "engine":
+        work = ENGINE[key]
+        if work is None:
+            raise ValueError("the engine Sampler's launch counts are not recorded yet (plan.host.ENGINE)")
+        return work
+    raise ValueError(f"unknown sampler {sampler!r}; expected one of {SAMPLERS}")
+
+
+def verify_work(sampler: str, key: SamplerKey, draft_logits: bool) -> HostWork:
+    """One verification of kind ``sampler`` on a batch of ``key``'s rows."""
+    if sampler == "functional":
+        return FUNCTIONAL_VERIFY[key, draft_logits and not key.greedy]
+    if sampler == "dense":
+        if key.greedy:
+            return DENSE_VERIFY[True, False, False]
+        return DENSE_VERIFY[False, key.top_k != "none", key.top_p] + fixed(5 * key.min_p, int(key.min_p))
+    raise ValueError(f"no verification host work recorded for sampler {sampler!r}")
+
+
+def score_work(sampler: str, top_n: int, ranks: int, blocks: int) -> HostWork:
+    """Scoring in ``blocks`` calls on shards (``functional``), or once on gathered rows."""
+    if sampler == "dense":
+        return DENSE_SCORE[top_n > 0]
+    one = _per_rank(SCORE[top_n > 0], ranks)
+    return fixed(one.launches * blocks, one.reads * blocks)
