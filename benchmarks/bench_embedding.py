@@ -23,7 +23,7 @@ from common import QUICK_HELP, bytes_of, fmt_bytes, sized, timed  # noqa: E402
 from vocabpar import VocabLayout, VocabParallelEmbedding, comm  # noqa: E402
 from vocabpar.launch import run  # noqa: E402
 
-V, H = sized((129280, 1024), (16384, 256))
+V, H = sized((129280, 1024), (8192, 256))
 
 
 def make_ids(kind: str, tokens: int) -> torch.Tensor:
@@ -96,7 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=sized(4, 2))
     parser.add_argument("--tokens", type=int, default=sized(8192, 1024))
-    parser.add_argument("--reps", type=int, default=sized(10, 3))
+    parser.add_argument("--reps", type=int, default=sized(10, 2))
     parser.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = parser.parse_args()
     res = run(bench, args.ranks, args.tokens, args.reps, timeout=600, run_timeout=1800)[0]

@@ -32,7 +32,7 @@ from vocabpar import (  # noqa: E402
 from vocabpar.collect import padded_local, to_token_order  # noqa: E402
 from vocabpar.launch import run  # noqa: E402
 
-V, H = sized((129280, 1024), (16384, 256))
+V, H = sized((129280, 1024), (8192, 256))
 SEQS, SEQ_LEN = sized((8, 512), (4, 128))  # the prefill
 WIDE, DECODE = sized((1024, 256), (256, 64))  # rows of the chunked-logits and DTensor comparisons
 

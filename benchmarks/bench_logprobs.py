@@ -18,7 +18,7 @@ compared with one [T, V/4] FP32 block, the local shard of unchunked logits.
 
     .venv/bin/python benchmarks/bench_logprobs.py [--reps 1] [--quick] [--mmap-threshold BYTES]
 
-``--quick`` is a smoke test with T=1024 on 2 ranks and V=16384 (the default run takes ~4 min
+``--quick`` is a smoke test with T=1024 on 2 ranks and V=8192 (the default run takes ~4 min
 on 2 cores);
 ``--mmap-threshold 1048576`` shows how much of the RSS rise is glibc keeping freed temporaries
 (its times are not comparable: every temporary then costs an mmap and fresh page faults).
@@ -52,7 +52,7 @@ from vocabpar import (  # noqa: E402
 )
 from vocabpar.launch import run  # noqa: E402
 
-V, H, N = sized((129280, 1024, 4), (16384, 256, 2))
+V, H, N = sized((129280, 1024, 4), (8192, 256, 2))
 T, CHUNK = 8192, 256
 TOP_NS = (0, 5)
 

@@ -28,7 +28,7 @@ from vocabpar.sampling import Sampler
 sys.path.insert(0, str(Path(__file__).parent))
 from common import QUICK_HELP, measure, sized  # noqa: E402
 
-B, V, N = sized((256, 129280, 4), (64, 16384, 2))
+B, V, N = sized((256, 129280, 4), (32, 8192, 2))
 
 CONFIGS = {
     "greedy": ("peaked", SamplingParams(temperature=0)),
@@ -108,7 +108,7 @@ def _bench(iters: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=sized(3, 2))
+    ap.add_argument("--iters", type=int, default=sized(3, 1))
     ap.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = ap.parse_args()
     per_rank = run(_bench, N, args.iters, run_timeout=1800, timeout=300)

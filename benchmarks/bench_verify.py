@@ -25,7 +25,7 @@ from vocabpar.launch import run
 sys.path.insert(0, str(Path(__file__).parent))
 from common import QUICK_HELP, measure, sized  # noqa: E402
 
-B, V, N = sized((64, 129280, 4), (16, 16384, 2))
+B, V, N = sized((64, 129280, 4), (8, 8192, 2))
 
 CONFIGS = {  # name: (params, with draft logits)
     "greedy": (SamplingParams(temperature=0), False),
@@ -126,7 +126,7 @@ def _bench(iters: int, ks: list[int]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=sized(2, 1))
     ap.add_argument("--k", type=int, nargs="+", default=sized([4, 16], [4]))
     ap.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = ap.parse_args()

@@ -24,7 +24,7 @@ afresh and must see the same sizes."""
 if QUICK:
     os.environ[QUICK_ENV] = "1"
 
-QUICK_HELP = "small sizes (2 ranks, V=16384): every table in seconds, ratios only indicative"
+QUICK_HELP = "small sizes (2 ranks, V=8192): every table in seconds, ratios only indicative"
 
 
 def sized(full: T, quick: T) -> T:

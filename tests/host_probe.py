@@ -80,28 +80,31 @@ def _shard(full: torch.Tensor, layout: VocabLayout) -> torch.Tensor:
     return local
 
 
-def measure(rows: int = B, parts: tuple[str, ...] = ("sample", "score", "collect")) -> dict[str, dict]:
-    """On each rank: per sampler key and family, ``(launches, reads)`` of ``sample`` and of
-    ``verify`` (one-hot drafts and, sampled, draft logits); per top-n of ``token_logprobs``; per
-    strategy of ``compute_logits`` and the ids exchange (``parts``: which of the three)."""
+def measure(rows: int = B, parts: tuple[str, ...] = ("sample", "score", "collect"),
+            keys: tuple[host.SamplerKey, ...] = host.SAMPLER_KEYS) -> dict[str, dict]:
+    """On each rank: per sampler key (of ``keys``) and family, ``(launches, reads)`` of ``sample``
+    and of ``verify`` (one-hot drafts and, sampled, draft logits); per top-n of ``token_logprobs``;
+    per strategy of ``compute_logits`` and the ids exchange (``parts``: which of the three)."""
     layout = VocabLayout(V, comm.world_size())
     out: dict[str, dict] = {"sample": {}, "verify": {}, "score": {}, "collect": {}}
     fams = families(rows * (2 * K + 1))
-    for key in host.SAMPLER_KEYS if "sample" in parts else ():
+    for key in keys if "sample" in parts else ():
         p = params(key, rows)
         for name, full in fams.items():
             local = _shard(full[:rows], layout)
-            out["sample"][key, name] = counted(sample, local, layout, p, positions=torch.arange(rows), check=False)
+            pos = torch.arange(rows)
+            out["sample"][key, name] = counted(sample, local, layout, p, positions=pos, check=False)
             target = _shard(full[: rows * (K + 1)], layout).view(rows, K + 1, -1)
             drafts = full[:rows, :K].argsort(1)[:, :K] % V
             for draft in (False, True) if not key.greedy else (False,):
                 dl = _shard(full[rows * (K + 1):], layout).view(rows, K, -1) if draft else None
-                out["verify"][key, draft, name] = counted(verify, target, layout, p, drafts,
-                                                          positions=torch.arange(rows), draft_logits=dl, check=False)
+                out["verify"][key, draft, name] = counted(verify, target, layout, p, drafts, positions=pos,
+                                                          draft_logits=dl, check=False)
     if "score" in parts:
         local = _shard(families()["peaked"], layout)
     for top_n in (0, 5) if "score" in parts else ():
-        out["score"][top_n] = counted(token_logprobs, local, layout, torch.arange(B), top_n=top_n, check=False)
+        out["score"][top_n] = counted(token_logprobs, local, layout, torch.arange(B), top_n=top_n,
+                                      check=False)
     if "collect" not in parts:
         return out
     hidden = torch.randn(comm.world_size() * 2, 16)

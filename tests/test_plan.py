@@ -1,5 +1,7 @@
 import json
 import math
+import pathlib
+import re
 from dataclasses import replace
 
 import pytest
@@ -9,7 +11,7 @@ from vocabpar import VocabLayout
 from vocabpar import plan as P
 from vocabpar.cli import main
 from vocabpar.plots import png_path
-from vocabpar.presets import preset
+from vocabpar.presets import CLASS_DEFAULTS, load_config, preset
 
 V, H = 129280, 5120  # DeepSeek-V4.1-Flash
 
@@ -240,6 +242,8 @@ EXTREMES += [(flag, value) for flag in ("--top-k", "--spec-tokens", "--score-tok
              for value in ("-1", "1e3", "1.5", "9" * 30)]
 EXTREMES += [("--top-p", "0"), ("--top-p", "1.01"), ("--min-p", "1.01"), ("--skew", "1.01"),
              ("--spec-tokens", "1025")]
+EXTREMES += [(flag, value) for flag in ("--latency-us", "--launch-us", "--sync-us")
+             for value in ("-1", "nan", "inf", "2e6", "x")]
 
 
 @pytest.mark.parametrize("flag,value", EXTREMES)
@@ -425,7 +429,7 @@ def test_skew_prices_the_owner_gather_and_flips_the_recommendation():
     """A vocabulary only twice the hidden size: with balanced ownership the owner gather wins;
     when one rank owns half the tokens or more it moves up to (n-1)·T rows, and a design with
     the ring all-reduce (which ownership does not change) wins."""
-    w = P.Workload(vocab=16000, hidden=8192, ranks=8, **BYTES_ONLY)
+    w = P.Workload(vocab=16000, hidden=8192, ranks=8, latency=15e-6, **BYTES_ONLY)
     balanced, skewed = P.plan(w), P.plan(replace(w, skew=1.0))
     assert P.plan(replace(w, skew=1 / 8)) == balanced
     by = {c.name: c for c in skewed}
@@ -537,3 +541,256 @@ def test_scoring_prediction_equals_what_token_logprobs_sends(sampler_measured):
         for scheme in ("padded", "uneven"):
             w = replace(P.STUDY, vocab=V_SAMPLED, ranks=4, score_tokens=SCORED_ROWS, score_top_n=SCORED_TOP_N)
             assert per_rank[scheme, "score"] == (2, P.score_bytes("none", w, 4, scheme)[0])
+
+
+# ---------------------------------------------------------------------- models from config.json
+DATA = pathlib.Path(__file__).parent / "data"
+CONFIGS = {  # shipped test data: the models' public config.json files (sources in presets.PRESET_CONFIGS)
+    "llama-3.1-8b": (128256, 4096, False, 131072),  # Llama: 32 layers x 2 x 8 KV heads x 128 x 2 B
+    "qwen3-8b": (151936, 4096, False, 147456),  # Qwen 3: 36 layers x 2 x 8 x 128 x 2 B
+    "gemma-3-12b": (262208, 3840, True, 393216),  # multimodal: text_config, class defaults fill the rest
+    "deepseek-v3": (129280, 7168, False, 70272),  # MLA: 61 layers x (512 + 64) latent x 2 B
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_config_json_gives_the_presets_model(name):
+    model = load_config(DATA / name / "config.json")
+    assert (model.vocab_size, model.hidden_size, model.tied, model.kv_bytes_per_token) == CONFIGS[name]
+    assert load_config(DATA / name) == model  # a folder holding config.json
+    same = {f: getattr(model, f) for f in ("vocab_size", "hidden_size", "tied", "layers", "kv_heads",
+                                           "head_dim", "dtype", "kv_latent", "kv_bytes")}
+    assert same == {f: getattr(preset(name), f) for f in same}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_cli_config_numbers_equal_the_presets(name, capsys):
+    def run(*model: str) -> dict:
+        assert main(["plan", "--json", "--ranks", "4", "--batch", "32", "--top-p", "0.9", *model]) == 0
+        data = json.loads(capsys.readouterr().out)
+        del data["model"]["name"], data["model"]["source"]
+        return data
+    assert run("--config", str(DATA / name / "config.json")) == run("--preset", name)
+
+
+def test_kv_bytes_come_from_the_model():
+    """Llama 3.1 70B: 80 layers x 2 x 8 KV heads x 128 x 2 B = 327,680 B per token; at TP 8 each rank
+    holds one KV head (40,960 B); beyond 8 ranks heads are replicated. A latent cache is whole on
+    every rank; the study's quoted figure stays its own."""
+    m = preset("llama-3.1-70b")
+    assert m.kv_bytes_per_token == 327_680 and m.kv_bytes_per_rank(8) == 40_960
+    assert m.kv_bytes_per_rank(16) == 40_960 and m.kv_bytes_per_rank(1) == 327_680
+    assert preset("deepseek-v3").kv_bytes_per_rank(8) == 70_272
+    assert preset("deepseek-v4.1-flash").kv_bytes_per_rank(8) == 890
+    w = _workload("llama-3.1-70b", ranks=8)
+    forgone = _costs(w)["deepinfer-replicated"]
+    assert forgone.kv_tokens == forgone.extra_memory_bytes // 40_960
+    assert P.plan(replace(w, kv_bytes_per_token=None))[0].kv_tokens is None  # unknown: no column
+
+
+def test_presets_cover_the_large_vocabularies(capsys):
+    for name in ("llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "qwen3-8b", "qwen3-30b-a3b",
+                 "qwen3-235b-a22b", "deepseek-v3", "gpt-oss-120b", "gemma-3-27b", "glm-4.5", "gpt2",
+                 "deepseek-v4.1-flash", "llama-2-7b", "qwen2.5-7b", "qwen2.5-0.5b", "llama-3-8b"):
+        assert preset(name).source
+    assert main(["plan", "--list-presets"]) == 0
+    out = capsys.readouterr().out
+    assert "gpt-oss-120b" in out and "201088" in out and "huggingface.co/openai/gpt-oss-120b" in out
+
+
+def test_class_defaults_match_transformers():
+    """Fields a released config may leave to its class: the table equals transformers' defaults."""
+    transformers = pytest.importorskip("transformers")
+    for model_type, fields in CLASS_DEFAULTS.items():
+        config = transformers.AutoConfig.for_model(model_type)
+        for field_name, value in fields.items():
+            assert getattr(config, field_name) == value, (model_type, field_name)
+
+
+@pytest.mark.parametrize("text,error", [
+    ("{", "is not valid JSON"),
+    ('{"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "tie_word_embeddings": false}',
+     "missing 'vocab_size'"),
+    ('{"vocab_size": 0, "hidden_size": 64}', "vocab_size must be a positive integer, got 0"),
+    ('{"vocab_size": 10, "hidden_size": "64"}', "hidden_size must be a positive integer, got '64'"),
+    ('{"vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}',
+     "missing 'tie_word_embeddings'"),
+    ('{"vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, '
+     '"tie_word_embeddings": false, "torch_dtype": "float7"}', "unknown dtype 'float7'"),
+    ('{"text_config": [], "vocab_size": 10}', "text_config must be an object"),
+    ("[1, 2]", "expected a JSON object"),
+])
+def test_bad_config_is_one_clear_line(text, error, tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(error)):
+        load_config(path)
+    assert main(["plan", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and error in err and err.startswith("vocabpar plan: error: ")
+
+
+def test_missing_config_is_one_clear_line(tmp_path, capsys):
+    for path in (tmp_path / "nope.json", tmp_path):  # no file; a folder without config.json
+        assert main(["plan", "--config", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "cannot read" in err
+    assert main(["plan", "--config", str(DATA / "llama-3.1-8b"), "--preset", "gpt2"]) == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_tied_override_and_nested_text_config(tmp_path):
+    config = {"text_config": {"vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2,
+                              "num_attention_heads": 4, "num_key_value_heads": 2, "torch_dtype": "float16"},
+              "vocab_size": 5, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    m = load_config(tmp_path)
+    assert (m.vocab_size, m.tied, m.dtype, m.head_dim, m.kv_bytes_per_token) == (1000, True, "fp16", 16,
+                                                                                  2 * 2 * 2 * 16 * 2)
+    assert load_config(tmp_path, tied=False).tied is False
+
+
+# ---------------------------------------------------------------------- honest columns
+def test_speculative_step_time_includes_verification(capsys):
+    """With drafts the step priced and recommended is a verification step: vllm-all-gather
+    receives the B·(K+1) gathered target rows (289.6 MB at the study's shape, K = 4)."""
+    plain = _designs_json(capsys)
+    spec = _designs_json(capsys, "--spec-tokens", "4")
+    gather = spec["vllm-all-gather"]
+    assert gather["step"] == "verify" and plain["vllm-all-gather"]["step"] == "decode"
+    assert gather["verify_bytes"] == 289_587_200
+    assert gather["step_bytes"] >= gather["verify_bytes"]
+    assert gather["step_time_s"] > gather["verify_bytes"] / 300e9 > 900e-6
+    assert spec["vocabpar-sharded"]["head_flops"] == 5 * plain["vocabpar-sharded"]["head_flops"]
+    assert main(["plan", "--spec-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "verify time" in out and "shortest estimated verification step" in out
+
+
+def test_labels_fit_the_workload():
+    tp = {c.name: c.summary for c in P.plan(replace(P.STUDY, dp=1))}
+    dp = {c.name: c.summary for c in P.plan(replace(P.STUDY, dp=8))}
+    for name in ("sglang-dp-gather-scatter", "sglang-all-to-all"):
+        assert "DP attention:" not in tp[name] and dp[name].startswith("DP attention:")
+
+
+# ---------------------------------------------------------------------- execution modes
+def test_mode_sets_the_prices_and_names_its_sources(capsys):
+    for name, m in P.MODES.items():
+        d = json.loads((main(["plan", "--json", "--mode", name]), capsys.readouterr().out)[1])
+        assert (d["workload"]["latency"], d["workload"]["launch"], d["workload"]["sync"]) == \
+            (m.latency, m.launch, m.sync)
+        assert d["mode"]["name"] == name and "#" in d["mode"]["latency_source"]
+    assert P.MODES["graph"].latency < P.MODES["eager"].latency < P.MODES["multinode"].latency
+    d = json.loads((main(["plan", "--json", "--mode", "graph", "--latency-us", "3", "--launch-us", "0.5",
+                          "--sync-us", "40"]), capsys.readouterr().out)[1])
+    assert (d["workload"]["latency"], d["workload"]["launch"], d["workload"]["sync"]) == \
+        pytest.approx((3e-6, 0.5e-6, 40e-6))
+    assert main(["plan", "--mode", "graph", "--latency-us", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "graph mode" in out and "collective: given on the command line" in out and "#1259" not in out
+    assert main(["plan", "--mode", "warp"]) == 2
+    assert "--mode" in capsys.readouterr().err
+
+
+def test_step_time_prices_launches_and_host_reads(capsys):
+    """Step time = collectives·alpha + bytes/beta + launches·lambda + host reads·s + head time:
+    each price moves each design by exactly its own count."""
+    base = _designs_json(capsys, "--top-p", "0.9")
+    for flag, count in (("--launch-us", "launches"), ("--sync-us", "host_reads")):
+        moved = _designs_json(capsys, "--top-p", "0.9", flag, "105" if flag == "--launch-us" else "120")
+        delta = 100e-6
+        for name, d in base.items():
+            assert moved[name]["step_time_s"] - d["step_time_s"] == pytest.approx(d[count] * delta, abs=1e-12)
+    sharded, gather = base["vocabpar-sharded"], base["vllm-all-gather"]
+    assert sharded["host_reads"] > gather["host_reads"] == 0 and sharded["launches"] > gather["launches"]
+    assert sharded["launches_worst"] >= sharded["launches"]
+    assert sharded["host_reads_worst"] >= sharded["host_reads"]
+
+
+def test_recommendation_changes_with_the_mode():
+    """Llama 3.1 70B at TP 8, B=4096 greedy: with collectives and launches in a CUDA graph the
+    sharded sampler's few bytes win; eagerly, its launches and host reads make the all-to-all
+    faster; across nodes too."""
+    w = _workload("llama-3.1-70b", ranks=8, batch=4096)
+    picks = {name: P.recommend(P.plan(replace(w, latency=m.latency, launch=m.launch, sync=m.sync))).design
+             for name, m in P.MODES.items()}
+    assert picks == {"graph": "vocabpar-sharded", "eager": "sglang-all-to-all",
+                     "multinode": "sglang-all-to-all"}
+
+
+# ---------------------------------------------------------------------- the crossover
+def test_crossover_is_where_shards_start_winning():
+    w = _workload("llama-3.1-8b", ranks=4, sampling=P.Sampling(1.0, top_p=0.9))
+    at = P.crossover(w)
+    assert 1 < at < P.LIMITS["batch"][1]
+    g, s = (next(d for d in P.DESIGNS if d.name == n) for n in (P.GATHER, P.SHARDS))
+    assert P.path_time(s, replace(w, batch=at), "decode") <= P.path_time(g, replace(w, batch=at), "decode")
+    below = replace(w, batch=at - 1)
+    assert P.path_time(s, below, "decode") > P.path_time(g, below, "decode")
+    assert P.crossover(replace(w, launch=0, sync=0, latency=0)) == 1  # no fixed costs: fewer bytes win
+    slow_link = replace(w, bandwidth=1e3)
+    assert P.crossover(slow_link) == 1
+    with pytest.raises(ValueError, match="spec_tokens > 0"):
+        P.crossover(w, "verify")
+    with pytest.raises(ValueError, match="unknown step"):
+        P.crossover(w, "prefill")
+
+
+@pytest.mark.parametrize("step", ["decode", "verify", "score"])
+def test_crossover_moves_with_alpha_lambda_and_the_sync_cost(step):
+    """Raising a price moves the crossover up when sampling on shards pays more of that fixed cost
+    than gathering, down when it pays less, and leaves it when both pay the same: the direction
+    the counts imply."""
+    w = _workload("qwen3-8b", ranks=8, sampling=P.Sampling(1.0, top_p=0.9), draft_logits=step == "verify",
+                  spec_tokens=3 * (step == "verify"), score_tokens=4096 * (step == "score"))
+    g, s = (next(d for d in P.DESIGNS if d.name == n) for n in (P.GATHER, P.SHARDS))
+    traffic = {d.name: P.path_traffic(d, w, step) for d in (g, s)}
+    work = {d.name: P.host_work(d, w, step) for d in (g, s)}
+    extra = {"latency": traffic[s.name].collectives - traffic[g.name].collectives,
+             "launch": work[s.name].launches - work[g.name].launches,
+             "sync": work[s.name].reads - work[g.name].reads}
+    assert extra["launch"] > 0 and extra["sync"] > 0
+    before = P.crossover(w, step)
+    for price, more in extra.items():
+        after = P.crossover(replace(w, **{price: getattr(w, price) * 4 + 1e-6}), step)
+        if more > 0:
+            assert after is None or after > before, (price, before, after)
+        elif more < 0:
+            assert after < before, (price, before, after)
+        else:
+            assert after == before, (price, before, after)
+
+
+def test_crossover_in_the_report_and_json(capsys):
+    assert main(["plan", "--preset", "llama-3.1-8b", "--ranks", "4", "--batch", "16", "--json",
+                 "--spec-tokens", "2", "--score-tokens", "1000"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    steps = {c["step"]: c for c in data["crossovers"]}
+    assert set(steps) == {"verify", "score"} and steps["score"]["size"] == 1000
+    assert main(["plan", "--preset", "llama-3.1-8b", "--ranks", "4", "--batch", "16"]) == 0
+    out = capsys.readouterr().out
+    w = _workload("llama-3.1-8b", ranks=4)
+    at = P.crossover(w)
+    assert f"gathering (vllm-all-gather) beats sampling on shards (vocabpar-sharded) below {at} rows" in out
+    assert main(["plan", "--ranks", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["crossovers"] == []
+
+
+def test_plot_marks_the_crossover(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert main(["plan", "--preset", "llama-3.1-8b", "--ranks", "4", "--plot", str(tmp_path / "p")]) == 0
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+
+
+def test_switch_picks_the_crossover():
+    """strategy="auto"'s choice: gathering below the planner's crossover, shards from it on."""
+    switch = P.Switch(latency=25e-6, bandwidth=3e8, launch=5e-6, sync=20e-6)
+    w = switch.workload(50257, 64, 2, 1, P.Sampling())
+    at = switch.crossover(w)
+    assert at == P.crossover(w) == 3
+    assert [switch.strategy(replace(w, batch=b)) for b in (1, 2, 3, 4)] == ["all_gather"] * 2 + ["none"] * 2
+    assert P.Switch.for_mode("graph").latency == P.MODES["graph"].latency
+    with pytest.raises(ValueError, match="latency"):
+        P.Switch(latency=-1.0)

@@ -394,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  "vocabpar is installed from)")
     p.add_argument("--only", help="run one script, e.g. 'embedding' or 'bench_embedding'")
     p.add_argument("--quick", action="store_true",
-                   help="every benchmark at small sizes (2 ranks, V=16384): a smoke test, ratios indicative")
+                   help="every benchmark at small sizes (2 ranks, V=8192): a smoke test, ratios indicative")
     p.add_argument("--out", metavar="FILE.md", type=_writable,
                    help="also write the tables (markdown) here, rewritten as each benchmark finishes")
     p.add_argument("--plot", metavar="FILE.png", type=_png,

@@ -164,6 +164,7 @@ class Row:
     peak_rss_mib: float
     weights_mib: float
     acceptance: float | None = None  # speculative modes: accepted / proposed drafts
+    strategy: str = ""  # the collection strategy the steps ran (vocabpar-auto: the planner's choice)
 
     @property
     def tokens_agree(self) -> bool:
@@ -329,19 +330,18 @@ def _row(design: plan.Design, mode: Mode, runs: list[dict], reference: list[list
     measured = busiest(lambda r, s: sum(v for k, v in r["received"][s].items() if k not in APART))
     ids = busiest(lambda r, s: r["received"][s].get("sampled_ids", 0))
     calls = busiest(lambda r, s: sum(v for k, v in r["collectives"][s].items() if k != "draft"))
-    name = design.name
     if design.strategy == AUTO:  # priced as what it chose, the same at every step
         design = replace(design, strategy=runs[0]["strategies"][-1])
-        name = f"{name} ({design.strategy})"
     w = _workload(design, layout, hidden, batch, mode.params(batch), mode.spec_tokens)
     predicted = [mode.price(design, w, _largest_owner_count(layout, runs[0]["inputs"][s])) for s in decode]
     agrees = all(p.bytes <= m <= p.bytes_worst and p.collectives <= c <= p.collectives_worst
                  for m, c, p in zip(measured, calls, predicted))
-    return Row(name, design.engine, mode.name, equal, batch, _mean(measured),
+    return Row(design.name, design.engine, mode.name, equal, batch, _mean(measured),
                _mean([p.bytes for p in predicted]), _mean([p.bytes_worst for p in predicted]), _mean(calls),
                _mean([p.collectives for p in predicted]), _mean([p.collectives_worst for p in predicted]),
                agrees, _mean(ids), 1e3 * max(_mean(r["seconds"][1:]) for r in runs),
-               max(r["peak_rss"] for r in runs) / 2**20, runs[0]["weights"] / 2**20, runs[0]["acceptance"])
+               max(r["peak_rss"] for r in runs) / 2**20, runs[0]["weights"] / 2**20, runs[0]["acceptance"],
+               design.strategy)
 
 
 def _workload(design: plan.Design, layout: VocabLayout, hidden: int, batch: int,

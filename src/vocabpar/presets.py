@@ -112,7 +112,7 @@ def model_from_config(config: dict, name: str = "config", *, tied: bool | None =
     where = name
     if not isinstance(config, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(config).__name__}")
-    text = config.get("text_config") or {}
+    text = {} if config.get("text_config") is None else config["text_config"]
     if not isinstance(text, dict):
         raise ValueError(f"{where}: text_config must be an object, got {type(text).__name__}")
     kv_bytes = config.get("kv_bytes_per_token")

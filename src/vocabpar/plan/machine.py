@@ -31,8 +31,9 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          "#1259); FlashInfer one-shot all-reduce ~8 us (sgl-project/sglang#32461)",
          "a kernel node of a replayed graph; a raw cuLaunchKernel takes ~1.3 us "
          "(meta-pytorch/tritonbench#1016)"),
-    Mode("eager", "collectives issued eagerly from Python on one node (engines' samplers today)", 25e-6, 5e-6,
-         20e-6, "torch.distributed NCCL all-reduce of 128 B-512 KB: 19-25 us on 8 H100 (ByteDance-Seed/"
+    Mode("eager", "collectives issued eagerly from Python on one node, as engines' samplers run today",
+         25e-6, 5e-6, 20e-6,
+         "torch.distributed NCCL all-reduce of 128 B-512 KB: 19-25 us on 8 H100 (ByteDance-Seed/"
          "Triton-distributed#57); NCCL RING_LL 23-33 us (sgl-project/sglang#32461); a packed all-gather "
          "~45-48 us fixed cost on H20 (sgl-project/sglang#37106)", EAGER_LAUNCH),
     Mode("multinode", "collectives crossing nodes (RoCE/InfiniBand), issued eagerly", 60e-6, 5e-6, 20e-6,
