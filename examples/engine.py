@@ -9,11 +9,11 @@ Each rank of a TP group computes only its own columns of the logits, in bf16, as
 ``ColumnParallelLinear(gather_output=False)``. The engine knows its shard the way those engines
 describe it -- the first and last vocabulary id on this rank and the rows it stores, padding
 included -- and builds the matching :class:`vocabpar.VocabLayout` from that. It then hands the
-shard, converted to FP32, to vocabpar on the TP group only: ``sample``, ``verify``,
-``token_logprobs`` and the engine ``Sampler``. Each returns the same result on every rank of
-the group, which this script checks against the single-process references on the gathered
-logits (gathered here for the check only). Rank 0 prints one line per check; the exit status is
-1 when any check fails on any rank.
+shard, converted to FP32, to vocabpar on the TP group only: ``sample``, ``verify`` and
+``token_logprobs``, and the same three through the engine ``Sampler``. Each returns the same
+result on every rank of the group, which this script checks against the single-process
+references on the gathered logits (gathered here for the check only). Rank 0 prints one line per
+check; the exit status is 1 when any check fails on any rank. It also runs as one process.
 """
 
 from __future__ import annotations
@@ -117,9 +117,11 @@ def main() -> int:
     want = reference_sample(full, params, positions=positions)
     checks.append(("sample", torch.equal(out.tokens, want.tokens)))
 
-    # the same step through the engine Sampler: planned once per batch, no host read per call
+    # the same step through the engine Sampler: built once, each batch prepared on the host, then
+    # a fixed script per call with no host read (the verified rows, B·(2k+1), must fit max_rows)
     sampler = Sampler(engine.layout, max_rows=B * (2 * k + 1), max_top_n=3, group=tp)
-    step = sampler.sample(local, sampler.prepare(params, positions=positions))
+    batch = sampler.prepare(params, positions=positions)
+    step = sampler.sample(local, batch)
     step.raise_if_failed()
     checks.append(("Sampler.sample", torch.equal(step.tokens, out.tokens)))
 
@@ -132,6 +134,9 @@ def main() -> int:
                                 draft_logits=engine.gathered(draft))
     checks.append(("verify", torch.equal(got.tokens, expected.tokens)
                    and torch.equal(got.accepted, expected.accepted)))
+    engine_got = sampler.verify(target, batch, drafts, draft)
+    engine_got.raise_if_failed()
+    checks.append(("Sampler.verify", torch.equal(engine_got.tokens, got.tokens)))
 
     # prompt scoring: log-probabilities of given tokens, never gathering [T, V]
     prompt = torch.randint(0, VOCAB, (9,), generator=g).to(device)
@@ -142,6 +147,9 @@ def main() -> int:
     checks.append(("token_logprobs", torch.allclose(lp.logprobs.double(), scored, atol=1e-5)
                    # bf16 logits tie often, so the top lists are compared by value
                    and torch.allclose(lp.top_logprobs.double(), exact.topk(3).values, atol=1e-5)))
+    engine_lp = sampler.token_logprobs(scores, prompt[1:], top_n=3)
+    engine_lp.raise_if_failed()
+    checks.append(("Sampler.token_logprobs", torch.allclose(engine_lp.logprobs, lp.logprobs)))
 
     failed = torch.tensor([int(not all(ok for _, ok in checks))], device=device)
     failed = comm.all_reduce_max(failed)  # a check failing on any rank fails every rank

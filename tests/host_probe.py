@@ -18,7 +18,7 @@ from vocabpar import ParallelLMHead, SamplingParams, VocabLayout, comm, compute_
 from vocabpar.collect import broadcast_tokens
 from vocabpar.host_reads import counting
 from vocabpar.plan import host
-from vocabpar.sampling import verify
+from vocabpar.sampling import Sampler, verify
 from vocabpar.sampling.scoring import token_logprobs
 
 FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "lift_fresh",
@@ -80,14 +80,20 @@ def _shard(full: torch.Tensor, layout: VocabLayout) -> torch.Tensor:
     return local
 
 
-def measure(rows: int = B, parts: tuple[str, ...] = ("sample", "score", "collect"),
+def measure(rows: int = B, parts: tuple[str, ...] = ("sample", "score", "collect", "engine"),
             keys: tuple[host.SamplerKey, ...] = host.SAMPLER_KEYS) -> dict[str, dict]:
     """On each rank: per sampler key (of ``keys``) and family, ``(launches, reads)`` of ``sample``
-    and of ``verify`` (one-hot drafts and, sampled, draft logits); per top-n of ``token_logprobs``;
-    per strategy of ``compute_logits`` and the ids exchange (``parts``: which of the three)."""
+    and of ``verify`` (one-hot drafts and, sampled, draft logits) and of the engine
+    ``Sampler.sample``; per top-n of ``token_logprobs``; per strategy of ``compute_logits`` and
+    the ids exchange (``parts``: which of the four)."""
     layout = VocabLayout(V, comm.world_size())
-    out: dict[str, dict] = {"sample": {}, "verify": {}, "score": {}, "collect": {}}
+    out: dict[str, dict] = {"sample": {}, "verify": {}, "score": {}, "collect": {}, "engine": {}}
     fams = families(rows * (2 * K + 1))
+    engine = Sampler(layout, max_rows=rows, check=False)
+    for key in keys if "engine" in parts else ():
+        batch = engine.prepare(params(key, rows), positions=torch.arange(rows))
+        for name, full in fams.items():
+            out["engine"][key, name] = counted(engine.sample, _shard(full[:rows], layout), batch)
     for key in keys if "sample" in parts else ():
         p = params(key, rows)
         for name, full in fams.items():

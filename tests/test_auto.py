@@ -62,9 +62,6 @@ def _rank_main() -> dict:
 
 @pytest.fixture(scope="module")
 def measured():
-    from vocabpar.launch import preload
-
-    preload("transformers")
     return run(_rank_main, RANKS, timeout=180, run_timeout=600)
 
 

@@ -121,6 +121,22 @@ def test_exception_reraised_with_rank_and_traceback():
     assert run(_raise_on_rank, 2, 5) == [0, 1]
 
 
+def _rank_0_done_at_once():
+    import torch.distributed as dist
+
+    if comm.rank() == 0:  # rank 0 hosts the rendezvous store, and returns before the others use it
+        return 0
+    time.sleep(0.5)
+    group = dist.new_group([1, 2], use_local_synchronization=True)
+    return int(comm.all_reduce(torch.ones(1), group=group).item())
+
+
+def test_a_finished_rank_stays_until_every_rank_has_reported():
+    """A rank that returned early must not take the store (or its connections) away from peers
+    still using it: before, ranks 1 and 2 failed here with ``DistNetworkError: Broken pipe``."""
+    assert run(_rank_0_done_at_once, 3, timeout=20) == [0, 2, 2]
+
+
 def test_run_rejects_bad_world_size():
     with pytest.raises(ValueError, match="world_size"):
         run(_raise_on_rank, 0, 1)

@@ -65,9 +65,14 @@ def test_counts_do_not_depend_on_the_batch(two_ranks):
         assert _busiest(wider, "sample", (key, "peaked")) == _busiest(two_ranks, "sample", (key, "peaked"))
 
 
-def test_the_engine_sampler_has_a_place_and_no_counts_yet():
-    assert set(host.ENGINE) == set(host.SAMPLER_KEYS) and all(v is None for v in host.ENGINE.values())
-    with pytest.raises(ValueError, match="not recorded yet"):
-        host.sampler_work("engine", host.SamplerKey(True))
+def test_engine_sampler_table_holds_for_every_family(two_ranks):
+    """The engine Sampler launches the same ops whatever the logits (a fixed script; ATen may
+    add one copy on some inputs) and reads nothing on the host."""
+    assert set(host.ENGINE) == set(host.SAMPLER_KEYS)
+    for key in host.SAMPLER_KEYS:
+        seen = [_busiest(two_ranks, "engine", (key, name)) for name in host_probe.families()]
+        assert max(s[0] for s in seen) == host.ENGINE[key].launches, (key, seen)
+        assert max(s[0] for s in seen) - min(s[0] for s in seen) <= 1 and all(s[1] == 0 for s in seen), key
+        assert host.sampler_work("engine", key).reads == 1  # the flags, read once per step
     with pytest.raises(ValueError, match="unknown sampler"):
         host.sampler_work("magic", host.SamplerKey(True))

@@ -104,7 +104,8 @@ def runs(blocks) -> dict[str, subprocess.CompletedProcess]:
     pytest.importorskip("transformers")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     commands = {"one": [sys.executable, __file__, "one"],
-                "ranks": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__, "ranks"]}
+                "ranks": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__,
+                          "ranks"]}
     started = {name: subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       env=env, cwd=ROOT) for name, command in commands.items()}
     done = {}
@@ -149,7 +150,8 @@ def test_marked_blocks_run_on_two_ranks_without_an_abort_at_exit(blocks, two_ran
 def test_engine_example_passes_its_checks_on_a_tp_group(two_ranks):
     out = two_ranks.stdout
     assert "2 ranks, TP groups of 2" in out and "VocabLayout(scheme='padded')" in out, out[-3000:]
-    for check in ("sample", "Sampler.sample", "verify", "token_logprobs"):
+    for check in ("sample", "verify", "token_logprobs", "Sampler.sample", "Sampler.verify",
+                  "Sampler.token_logprobs"):
         assert f"ok   {check}\n" in out, out[-3000:]
     assert "all checks passed" in out
 
@@ -158,5 +160,6 @@ if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "one"
     found = readme_blocks()
     if mode == "ranks":
-        sys.exit(0 if run_on_these_ranks([(line, code) for line, code in found if code.startswith(MARK)]) else 1)
+        marked = [(line, code) for line, code in found if code.startswith(MARK)]
+        sys.exit(0 if run_on_these_ranks(marked) else 1)
     sys.exit(0 if run_each_in_a_fresh_process(found) else 1)

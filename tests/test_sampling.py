@@ -366,8 +366,8 @@ def test_errors_name_rows_on_every_rank_without_hanging():
 
 
 def test_param_validation():
-    with pytest.raises(ValueError, match=r"^SamplingParams: min_p must be in \[0, 1\], got 2"):  # at construction
-        SamplingParams(min_p=2)
+    with pytest.raises(ValueError, match=r"^SamplingParams: min_p must be in \[0, 1\], got 2"):
+        SamplingParams(min_p=2)  # a scalar: rejected when built
     with pytest.raises(ValueError, match="expected a scalar or 3 values"):
         SamplingParams(seed=[1, 2]).resolve(3, 10)
     with pytest.raises(ValueError, match="row 1: repetition_penalty"):

@@ -48,8 +48,8 @@ def test_a_rank_count_other_than_torchruns_is_an_error(monkeypatch, capsys):
 
 def test_smoke_script_without_torchrun_says_how_in_one_line():
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "smoke_distributed.py")], capture_output=True,
-                          text=True, env=env, timeout=120)
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "smoke_distributed.py")],
+                          capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
     assert "torchrun --nproc-per-node 2 scripts/smoke_distributed.py" in _one_line(done.stderr)
 
@@ -68,8 +68,8 @@ def test_version_and_suggestions_for_misspelt_commands_and_options(capsys):
 
 def test_output_into_a_closed_pipe_stops_quietly():
     """``vocabpar layout ... | head -1``: far more output than a pipe holds, the reader leaves."""
-    proc = subprocess.Popen([sys.executable, "-m", "vocabpar", "layout", "--vocab", "1000000", "--ranks", "2048"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    command = [sys.executable, "-m", "vocabpar", "layout", "--vocab", "1000000", "--ranks", "2048"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
     proc.stdout.readline()
     proc.stdout.close()
     err = proc.stderr.read().decode()
@@ -113,7 +113,8 @@ def test_bench_passes_quick_reports_progress_and_writes_out_after_each_benchmark
     scripts, out = tmp_path / "scripts", tmp_path / "report.md"
     scripts.mkdir()
     (scripts / "bench_a.py").write_text("import sys\nprint('| a | table |', sys.argv[1:])\n")
-    (scripts / "bench_b.py").write_text(f"print('a finished first:', '| a | table |' in open({str(out)!r}).read())\n")
+    (scripts / "bench_b.py").write_text(
+        f"print('a finished first:', '| a | table |' in open({str(out)!r}).read())\n")
     assert main(["bench", "--dir", str(scripts), "--quick", "--out", str(out)]) == 0
     captured, report = capfd.readouterr(), out.read_text()
     assert "| a | table | ['--quick']" in captured.out and "a finished first: True" in captured.out
@@ -125,8 +126,8 @@ def test_bench_passes_quick_reports_progress_and_writes_out_after_each_benchmark
 def test_a_killed_bench_run_keeps_the_finished_tables(tmp_path):
     (tmp_path / "bench_a.py").write_text("print('| a | done |')\n")
     (tmp_path / "bench_b.py").write_text(f"import os\nos.kill(os.getppid(), {int(signal.SIGKILL)})\n")
-    done = subprocess.run([sys.executable, "-m", "vocabpar", "bench", "--dir", str(tmp_path), "--out", "r.md"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    command = [sys.executable, "-m", "vocabpar", "bench", "--dir", str(tmp_path), "--out", "r.md"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == -signal.SIGKILL
     assert "| a | done |" in (tmp_path / "r.md").read_text()
 
@@ -151,8 +152,8 @@ def test_benchmarks_are_found_from_the_installed_checkout_or_the_error_names_dir
 
 # ---------------------------------------------------------------------- messages
 def test_select_rows_on_unpacked_hidden_says_to_pack():
-    with pytest.raises(ValueError, match=r"hidden must be packed \[T, H\] .* got shape \(2, 3, 8\): for "
-                                         r"\[B, L, H\] of equal-length sequences pass hidden.reshape\(-1, H\)"):
+    unpacked = r"hidden must be packed \[T, H\] .* got shape \(2, 3, 8\): for \[B, L, H\] of equal-length"
+    with pytest.raises(ValueError, match=unpacked + r" sequences pass hidden.reshape\(-1, H\)"):
         select_rows(torch.zeros(2, 3, 8), torch.tensor([3, 3]))
     with pytest.raises(ValueError, match=r"seq_lens sum to 6 but hidden has 5 rows: hidden must be packed"):
         select_rows(torch.zeros(5, 8), torch.tensor([3, 3]))
@@ -165,11 +166,13 @@ def _message_scenarios() -> dict[str, str]:
     positions = torch.arange(3)
     scenarios = {
         "seed": lambda: sample(local, layout, SamplingParams(seed=me), positions=positions),
-        "top_p and seed": lambda: sample(local, layout, SamplingParams(top_p=[0.9, 0.5 + 0.1 * me, 1.0], seed=me),
+        "top_p and seed": lambda: sample(local, layout,
+                                         SamplingParams(top_p=[0.9, 0.5 + 0.1 * me, 1.0], seed=me),
                                          positions=positions),
         "full rows": lambda: sample(torch.zeros(3, 1000), layout, SamplingParams(), positions=positions),
         "bf16": lambda: sample(local.bfloat16(), layout, SamplingParams(), positions=positions),
-        "other vocabulary": lambda: sample(torch.zeros(3, 700), layout, SamplingParams(), positions=positions),
+        "other vocabulary": lambda: sample(torch.zeros(3, 700), layout, SamplingParams(),
+                                           positions=positions),
     }
     seen = {}
     for name, call in scenarios.items():
@@ -196,11 +199,12 @@ def test_a_parameter_disagreement_names_the_fields(messages):
 def test_logits_of_the_wrong_shape_name_the_mismatch_and_the_fix(messages):
     seen = messages[0]
     assert seen["full rows"] == (
-        "local logits must be float32 [B, 512] on rank 0, got torch.float32(3, 1000): these are full rows of the "
-        "vocabulary (1000 ids) but the layout gives this rank 512 columns; pass this rank's shard "
+        "local logits must be float32 [B, 512] on rank 0, got torch.float32(3, 1000): these are full rows of "
+        "the vocabulary (1000 ids) but the layout gives this rank 512 columns; pass this rank's shard "
         "(compute_logits(strategy='none')) or sample full rows with reference_sample")
-    assert seen["bf16"].endswith("got torch.bfloat16(3, 512): convert them with .float() (from torch.bfloat16)")
+    assert seen["bf16"].endswith(
+        "got torch.bfloat16(3, 512): convert them with .float() (from torch.bfloat16)")
     assert seen["other vocabulary"].endswith(
-        ": the layout gives this rank 512 columns of a 1000-id vocabulary; build it with the model's vocabulary "
-        "size and this group's world size")
+        ": the layout gives this rank 512 columns of a 1000-id vocabulary; build it with the model's "
+        "vocabulary size and this group's world size")
     assert all("\n" not in text for text in seen.values())

@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import sys
+import textwrap
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import NoReturn
@@ -193,17 +194,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     table_rows = [(r.design, r.mode, f"{r.equal}/{r.rows}", _bytes(r.measured),
              _range(r.predicted, r.predicted_worst), f"{r.collectives:g}",
              _range(r.collectives_predicted, r.collectives_worst, "{:g}".format),
-             "yes" if r.planner_agrees else "NO", _bytes(r.id_bytes), f"{r.ms_per_step:.1f}",
+             "yes" if r.planner_agrees else "NO", f"{r.host_reads:.0f}", _bytes(r.id_bytes),
+             f"{r.ms_per_step:.1f}",
              f"{r.peak_rss_mib:.0f}", f"{r.weights_mib:.2f}",
              "-" if r.acceptance is None else f"{r.acceptance:.2f}") for r in result.rows]
     table, left_out = fit_table(
         ("design", "mode", "equal", "recv B/step", "planner B/step", "coll/step", "planner coll", "= planner",
-         "ids B/step", "ms/step", "peak RSS MiB", "vocab MiB/rank", "accepted"), table_rows,
+         "reads/step", "ids B/step", "ms/step", "peak RSS MiB", "vocab MiB/rank", "accepted"), table_rows,
         drop=("peak RSS MiB", "vocab MiB/rank", "ids B/step", "planner coll", "ms/step", "coll/step"),
         width=None if args.wide else WIDTH)
     print(table)
     if left_out:
-        print(f"(--wide adds {', '.join(left_out)}; --json gives everything as data)")
+        print(textwrap.fill(f"(--wide adds {', '.join(left_out)}; --json: everything as data)", WIDTH))
     print("\n" + "\n".join((
         "equal: rows matching reference_sample with the same seeds (greedy: also transformers' generate;",
         "spec-*: the speculative loop in one process, gathering).",
@@ -215,7 +217,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"spec-*: speculative decoding, {demo.SPEC_TOKENS} drafts per step from a draft model "
         "(demo.build_draft), verified on shards",
         "or after gathering; a step is a verification step, the draft model's own traffic left out;",
-        "accepted: drafts kept / proposed.")))
+        "accepted: drafts kept / proposed.",
+        "reads/step: host reads of device values per step, whole step (model included; each one a device",
+        "synchronisation on a GPU): vocabpar-engine's sampler makes one (its failure flags).")))
     agree = sum(r.planner_agrees for r in result.rows)
     print(f"\ntokens: {'every design agrees' if result.tokens_agree else 'SOME DESIGNS DIFFER'}; planner: "
           f"{agree} of {len(result.rows)} rows within its prediction (bytes and collectives)")

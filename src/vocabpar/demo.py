@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from vocabpar import comm, launch, plan, rss
+from vocabpar.host_reads import counting
 from vocabpar.integrations.decode import AUTO, can_verify
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling import SamplingParams
@@ -120,7 +121,7 @@ class Mode:
 
 
 SPEC_TOKENS = 3
-SPECULATIVE_DESIGNS = ("vllm-all-gather", "vocabpar-sharded")  # gather-then-verify vs verify on shards
+SPECULATIVE_DESIGNS = ("vllm-all-gather", "vocabpar-sharded", "vocabpar-engine")  # gathering vs on shards
 APART = ("sampled_ids", "draft")  # received bytes shown apart (ids) or left out (the draft's decoding)
 MODES: tuple[Mode, ...] = (Mode("greedy", lambda batch: None), Mode("sampled", sampling_params),
                            Mode("spec-greedy", lambda batch: None, verify_step, SPEC_TOKENS),
@@ -165,6 +166,7 @@ class Row:
     weights_mib: float
     acceptance: float | None = None  # speculative modes: accepted / proposed drafts
     strategy: str = ""  # the collection strategy the steps ran (vocabpar-auto: the planner's choice)
+    host_reads: float = 0.0  # host reads of device values per step, the whole step (model included)
 
     @property
     def tokens_agree(self) -> bool:
@@ -289,7 +291,7 @@ def rank_main(model_name: str, prompts: list[list[int]], tokens: int, progress: 
     for design in todo:
         exchange = "auto" if design.embedding == "local" else design.embedding
         options = dict(group=group, scheme=design.scheme, strategy=design.strategy, scatter="all_gather",
-                       exchange=exchange)
+                       exchange=exchange, sampler="engine" if design.sampler == "engine" else "functional")
         lm = parallelize(build_model(model_name), **options)
         draft = None
         weights = lm.embedding.storage.nbytes + (0 if lm.head.storage is lm.embedding.storage
@@ -302,12 +304,14 @@ def rank_main(model_name: str, prompts: list[list[int]], tokens: int, progress: 
                 draft = draft or parallelize(build_draft(model_name), **options)
                 speculate = dict(draft=draft, num_draft_tokens=mode.spec_tokens)
             peak = rss.reset_peak()
-            g = lm.generate(prompts, mode.params(len(prompts)), tokens, **speculate)
+            with counting() as reads:
+                g = lm.generate(prompts, mode.params(len(prompts)), tokens, **speculate)
             result[mode.name] = {"tokens": g.tokens, "inputs": g.inputs, "seconds": g.step_seconds,
                                  "received": g.step_received, "collectives": g.step_collectives,
                                  "weights": weights, "peak_rss": rss.peak_bytes(peak),
                                  "acceptance": g.acceptance_rate if mode.spec_tokens else None,
-                                 "strategies": g.strategies}
+                                 "strategies": g.strategies,
+                                 "host_reads": sum(reads.values()) / max(len(g.step_seconds), 1)}
             done += 1
             _say(progress and comm.rank(group) == 0,
                  f"[{done}/{total}] {design.name} {mode.name}: {1e3 * _mean(g.step_seconds[1:]):.1f} ms/step")
@@ -341,7 +345,7 @@ def _row(design: plan.Design, mode: Mode, runs: list[dict], reference: list[list
                _mean([p.collectives for p in predicted]), _mean([p.collectives_worst for p in predicted]),
                agrees, _mean(ids), 1e3 * max(_mean(r["seconds"][1:]) for r in runs),
                max(r["peak_rss"] for r in runs) / 2**20, runs[0]["weights"] / 2**20, runs[0]["acceptance"],
-               design.strategy)
+               design.strategy, max(r["host_reads"] for r in runs))
 
 
 def _workload(design: plan.Design, layout: VocabLayout, hidden: int, batch: int,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import importlib
 import math
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -74,6 +75,10 @@ def init_from_env(timeout: float = 300.0, backend: str | None = None) -> None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # torch.distributed.nn's functions take ``group=group.WORLD`` as a default, evaluated when it is
+    # imported: imported after the group exists (building a transformers model does), they would keep
+    # it alive past destroy_process_group, whose destructor is what joins gloo's worker threads
+    importlib.import_module("torch.distributed.nn")
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     atexit.register(_shutdown_at_exit)
 
@@ -97,10 +102,13 @@ def shutdown() -> None:
     finalising, and the process aborts (``terminate called without an active exception``)."""
     if not dist.is_initialized():
         return
+    world = dist.group.WORLD
     try:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    if sys.getrefcount(world) > 2:  # still referenced elsewhere: its threads outlive this call, so leave
+        time.sleep(0.05)  # them the GIL to finish what they hold before the interpreter finalises
 
 
 def _shutdown_at_exit() -> None:
@@ -120,7 +128,8 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60
     """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks and return their results in rank order.
 
     ``timeout`` bounds every collective; ``run_timeout`` bounds the whole run. Under torchrun
-    the process group comes from the environment, ``fn`` runs once in this process and the
+    the process group comes from the environment, ``world_size`` must be the number of processes
+    torchrun started (``ValueError`` otherwise), ``fn`` runs once in this process and the
     returned list holds this rank's result only."""
     for name, seconds in (("timeout", timeout), ("run_timeout", run_timeout)):
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:

@@ -58,7 +58,9 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> float:
-        """KV-cache bytes one token takes in the whole model, one copy of every layer's cache."""
+        """KV-cache bytes one token takes in the whole model, one copy of every layer's cache
+        (layers with a sliding window, as in gpt-oss and Gemma 3, counted in full: the figure for
+        contexts within the window, an upper bound beyond it)."""
         if self.kv_bytes is not None:
             return self.kv_bytes
         per_layer = self.kv_latent if self.kv_latent else 2 * self.kv_heads * self.head_dim

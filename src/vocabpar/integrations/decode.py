@@ -28,7 +28,7 @@ from vocabpar import comm, plan
 from vocabpar.collect import broadcast_tokens, compute_logits
 from vocabpar.head import ParallelLMHead, select_rows
 from vocabpar.layout import VocabLayout
-from vocabpar.sampling import SamplingParams, TokenCounts, VerifyOutput, reference_sample, sample
+from vocabpar.sampling import Sampler, SamplingParams, TokenCounts, VerifyOutput, reference_sample, sample
 from vocabpar.sampling import verify as verify_drafts
 from vocabpar.sampling.params import ROW_FIELDS
 from vocabpar.sampling.scoring import TokenLogprobs
@@ -240,6 +240,21 @@ def planned_sampling(params: SamplingParams, batch: int, vocab: int) -> plan.Sam
     return plan.Sampling(1.0, int(k.max()), float(r.top_p[sampled].min()), float(r.min_p[sampled].max()))
 
 
+class Samplers:
+    """The engine ``Sampler`` of each call size a decode loop meets, built on first use (every
+    rank meets the same sizes in the same order, so their construction handshakes align)."""
+
+    def __init__(self, layout: VocabLayout, group: comm.ProcessGroup = None) -> None:
+        self.layout, self.group = layout, group
+        self._by_rows: dict[int, Sampler] = {}
+
+    def get(self, rows: int) -> Sampler:
+        """The sampler whose messages carry exactly ``rows`` rows (what the planner prices)."""
+        if rows not in self._by_rows:
+            self._by_rows[rows] = Sampler(self.layout, max_rows=rows, group=self.group)
+        return self._by_rows[rows]
+
+
 @dataclass(frozen=True)
 class Step:
     """Hidden rows -> logits collected by ``strategy`` (:data:`STRATEGIES`) over ``group`` ->
@@ -251,6 +266,7 @@ class Step:
     group: comm.ProcessGroup = None
     scatter: str = "all_to_all"
     switch: plan.Switch | None = None
+    engine: Samplers | None = None
 
     def resolved(self, rows: int, params: SamplingParams, *, spec_tokens: int = 0,
                  draft_logits: bool = False) -> Step:
@@ -303,7 +319,13 @@ class Step:
 
     def draw(self, logits: torch.Tensor, params: SamplingParams, positions: torch.Tensor,
              counts: TokenCounts | None = None) -> torch.Tensor:
-        """One id per row of :meth:`logits`: the sharded sampler, or the single-device one."""
+        """One id per row of :meth:`logits`: the sharded sampler (the engine ``Sampler`` when this
+        step has one), or the single-device one."""
+        if STRATEGIES[self.strategy].on_shards and self.engine is not None:
+            sampler = self.engine.get(logits.shape[0])
+            out = sampler.sample(logits, sampler.prepare(params, positions=positions, token_counts=counts))
+            out.raise_if_failed()
+            return out.tokens
         if STRATEGIES[self.strategy].on_shards:
             return sample(logits, self.layout, params, positions=positions, group=self.group,
                           token_counts=counts).tokens
@@ -315,6 +337,14 @@ class Step:
         gather-then-verify: the full rows every rank holds, verified locally as a replicated
         layout (no collective; the same tokens as ``reference_verify``)."""
         layout, group = self.layout, self.group
+        if STRATEGIES[self.strategy].on_shards and self.engine is not None:
+            B, k = drafts.shape
+            greedy = params.resolve(B, layout.vocab_size).greedy.tolist()  # host-side parameters
+            sampled = 0 if draft_logits is None else sum(not g for g in greedy)
+            sampler = self.engine.get(B * (k + 1) + sampled * k)  # the stacked rows
+            out = sampler.verify(logits, sampler.prepare(params, positions=positions), drafts, draft_logits)
+            out.raise_if_failed()
+            return out
         if not STRATEGIES[self.strategy].on_shards:
             layout, group = VocabLayout(layout.vocab_size, layout.world_size, scheme="replicated"), None
         return verify_drafts(logits, layout, params, drafts, positions=positions, draft_logits=draft_logits,

@@ -35,6 +35,7 @@ from vocabpar.head import ParallelLMHead
 from vocabpar.integrations.decode import (
     AUTO,
     Generation,
+    Samplers,
     Step,
     last_rows,
     open_request,
@@ -65,6 +66,7 @@ class ParallelCausalLM:
     group: comm.ProcessGroup = None
     scatter: str = "all_to_all"
     switch: plan.Switch | None = None
+    engine: Samplers | None = None
 
     @property
     def layout(self) -> VocabLayout:
@@ -73,7 +75,8 @@ class ParallelCausalLM:
     @property
     def step(self) -> Step:
         """This model's decode step: its head, layout, strategy, group, scatter and switch."""
-        return Step(self.head, self.layout, self.strategy, self.group, self.scatter, self.switch)
+        return Step(self.head, self.layout, self.strategy, self.group, self.scatter, self.switch,
+                    self.engine)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None,
                  max_new_tokens: int = 16, *, prompt_logprobs: int | None = None, draft=None,
@@ -131,7 +134,8 @@ class ParallelCausalLM:
 
 def parallelize(model: nn.Module, *, group: comm.ProcessGroup = None, scheme: str = "padded",
                 strategy: str = "all_gather", exchange: str = "auto", scatter: str = "all_to_all",
-                deterministic: bool = False, switch: plan.Switch | None = None) -> ParallelCausalLM:
+                deterministic: bool = False, switch: plan.Switch | None = None,
+                sampler: str = "functional") -> ParallelCausalLM:
     """Replace ``model``'s input embedding and LM head (in place) by vocab-parallel modules over
     ``group`` laid out by ``scheme``, loading this rank's rows from the model's own weights.
 
@@ -144,7 +148,11 @@ def parallelize(model: nn.Module, *, group: comm.ProcessGroup = None, scheme: st
     ``all_gather``; each rank then stands for one DP attention group holding a contiguous block
     of the batch).
     ``deterministic``: logits whose bits do not depend on the number of ranks (see
-    :class:`ParallelLMHead`)."""
+    :class:`ParallelLMHead`). ``sampler``: on shards, ``functional`` (:func:`vocabpar.sample`,
+    adaptive) or ``engine`` (:class:`vocabpar.sampling.Sampler`: a fixed script per call size,
+    no host read but the failure flags); the tokens are the same."""
+    if sampler not in ("functional", "engine"):
+        raise ValueError(f"sampler must be 'functional' or 'engine', got {sampler!r}")
     if strategy not in (*STRATEGIES, AUTO):
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {sorted(STRATEGIES) + [AUTO]}")
     if strategy == AUTO and scheme == "replicated":
@@ -182,7 +190,8 @@ def parallelize(model: nn.Module, *, group: comm.ProcessGroup = None, scheme: st
         head.load_full_bias(target.bias.detach())
     model.set_input_embeddings(embedding)
     model.set_output_embeddings(head)
-    return ParallelCausalLM(model.eval(), embedding, head, strategy, group, scatter, switch)
+    engine = Samplers(head.layout, group) if sampler == "engine" else None
+    return ParallelCausalLM(model.eval(), embedding, head, strategy, group, scatter, switch, engine)
 
 
 def reference_generate(model: nn.Module, prompts: Sequence[Sequence[int]],

@@ -137,9 +137,9 @@ def path_traffic(design: Design, w: Workload, step: str) -> Traffic:
     if n == 1:
         return Traffic()
     if step == "decode":
-        return logits_traffic(design.strategy, w.batch, w, n, design.scheme)
+        return logits_traffic(design.strategy, w.batch, w, n, design.scheme, design.sampler)
     if step == "verify":
-        return verify_traffic(design.strategy, w, n, design.scheme)
+        return verify_traffic(design.strategy, w, n, design.scheme, design.sampler)
     return score_traffic(design, w)
 
 
@@ -176,8 +176,8 @@ def design_cost(design: Design, w: Workload) -> DesignCost:
     step = "verify" if w.spec_tokens else "decode"
     traffic = verify_step_traffic(design, w) if w.spec_tokens else step_traffic(design, w)
     work = host_work(design, w, step)
-    collection = logits_traffic(design.strategy, w.batch, w, n, design.scheme).bytes
-    verify = verify_traffic(design.strategy, w, n, design.scheme)
+    collection = logits_traffic(design.strategy, w.batch, w, n, design.scheme, design.sampler).bytes
+    verify = verify_traffic(design.strategy, w, n, design.scheme, design.sampler)
     scored, score_peak = score_bytes(design.strategy, w, n, design.scheme)
     flops = head_flops(s.local_rows(w.batch * (w.spec_tokens + 1), dp), cols, w.hidden)
     head_time = compute_time(flops, w.flops)

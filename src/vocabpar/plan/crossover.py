@@ -126,8 +126,10 @@ class Switch:
                         sampling=sampling, spec_tokens=spec_tokens, draft_logits=draft_logits)
 
     def crossover(self, w: Workload, step: str = "decode") -> int | None:
-        """:func:`crossover` of ``w`` (its batch ignored), cached."""
-        return _cached(_at(w, step, 1), step)
+        """:func:`crossover` of ``w`` at this switch's prices (``w``'s batch ignored), cached."""
+        priced = replace(w, latency=self.latency, bandwidth=self.bandwidth, launch=self.launch,
+                         sync=self.sync)
+        return _cached(_at(priced, step, 1), step)
 
     def strategy(self, w: Workload, step: str = "decode") -> str:
         """``"all_gather"`` when gathering is faster at ``w``'s batch, else ``"none"``."""

@@ -14,13 +14,16 @@ Each design names the sampler it runs (:attr:`vocabpar.plan.Design.sampler`):
   adaptive: its launches and reads depend on the path a call takes. Typical: LLM-like peaked
   rows; worst: the most measured on peaked, flat, Zipf and heavily tied rows.
 * ``"engine"``: :class:`vocabpar.sampling.Sampler` on the shards: one fixed script, no host read.
-  Its launch counts plug in here (:data:`ENGINE`) once recorded; until then no design uses it.
+  Its launches are the same whatever the logits (:data:`ENGINE`), its host reads one per step
+  (the failure flags).
 * ``"dense"``: an engine's own sampler on the full rows a collecting or replicated design holds:
   vLLM's PyTorch-native sampler (``vllm/v1/sample``, ``Sampler.sample`` with
   ``TopKTopPSampler.forward_native``, min-p's ``MinPLogitsProcessor.apply``), counted the same
   way by running its functions at vllm-project/vllm@01fa3fe (top-k/top-p), 3e34265 (sampler),
-  bf17660 (min-p). Its Triton and FlashInfer paths launch fewer kernels; its min-p writes through
-  a boolean mask (one host read).
+  bf17660 (min-p), 7f6fc1c (rejection sampler, its Triton kernels interpreted) and a0aaf7f
+  (logprobs), outside this repository: vLLM does not install here, so no test re-counts these.
+  Its Triton and FlashInfer paths launch fewer kernels; its min-p writes through a boolean mask
+  (one host read).
 """
 
 from __future__ import annotations
@@ -128,9 +131,17 @@ COLLECT: dict[str, tuple[int, int, int]] = {
 """``compute_logits`` per strategy on two or more ranks, the head's GEMM included: ``(launches,
 more launches per rank, host reads)``; the ids exchanges launch nothing but their collective.
 DP attention reads the exchanged row counts on the host."""
-ENGINE: dict[SamplerKey, HostWork | None] = {key: None for key in SAMPLER_KEYS}
-"""``vocabpar.sampling.Sampler`` on the shards, per key: no host read by design; its launches plug
-in here once recorded (``None``: not yet)."""
+ENGINE: dict[SamplerKey, HostWork] = {
+    K(True): fixed(55, 0),
+    K(False, "none", False, False): fixed(407, 0), K(False, "none", False, True): fixed(411, 0),
+    K(False, "none", True, False): fixed(514, 0), K(False, "none", True, True): fixed(514, 0),
+    **{K(False, "candidates", p, m): fixed(411, 0) for p in (False, True) for m in (False, True)},
+    K(False, "search", False, False): fixed(494, 0), K(False, "search", False, True): fixed(498, 0),
+    K(False, "search", True, False): fixed(593, 0), K(False, "search", True, True): fixed(593, 0),
+}
+"""``vocabpar.sampling.Sampler.sample`` on the shards, per key: the same launches whatever the
+logits (a fixed script of dense passes) and no host read; ``raise_if_failed``, the one read per
+step, is priced by the design's caller."""
 DENSE: dict[SamplerKey, HostWork] = {
     K(True): fixed(2, 0),
     **{K(False, k, p, m): fixed(6 + 6 * (k != "none") + (8 if p and k == "none" else 6 * p) + 5 * m, int(m))
@@ -169,10 +180,7 @@ def sampler_work(sampler: str, key: SamplerKey) -> HostWork:
     if sampler == "dense":
         return DENSE[key]
     if sampler == "engine":
-        work = ENGINE[key]
-        if work is None:
-            raise ValueError("the engine Sampler's launch counts are not recorded yet (plan.host.ENGINE)")
-        return work
+        return ENGINE[key] + fixed(0, 1)  # the flags read once per step (raise_if_failed)
     raise ValueError(f"unknown sampler {sampler!r}; expected one of {SAMPLERS}")
 
 

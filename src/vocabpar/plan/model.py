@@ -29,13 +29,15 @@ the bytes of sampled ids sent back are left out; the collectives that send those
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vocabpar.layout import VocabLayout
 from vocabpar.plan.machine import DEFAULT_MODE, MODES
 from vocabpar.wire.scripts import (
     SCORE_ROWS,
     SamplePath,
+    engine_plan,
+    engine_sample_script,
     price,
     sample_script,
     sampler_paths,
@@ -316,25 +318,44 @@ DESIGNS: tuple[Design, ...] = (
     Design("vocabpar-sharded", "vocabpar", "padded", "owner_gather", "none",
            "owner-gather embedding (priced at the skew); the functional sampler on sharded logits (typical "
            "peaked rows, worst case in --json)", sampler="functional"),
+    Design("vocabpar-engine", "vocabpar", "padded", "owner_gather", "none",
+           "owner-gather embedding; the engine Sampler on sharded logits: one fixed script per step, "
+           "no host read but its failure flags", sampler="engine"),
 )
 
 
-def logits_traffic(name: str, rows: int, w: Workload, ranks: int, scheme: str) -> Traffic:
+def logits_traffic(name: str, rows: int, w: Workload, ranks: int, scheme: str,
+                   sampler: str = "functional") -> Traffic:
     """The logits path of ``rows`` rows with strategy ``name`` on ``ranks`` ranks: its
     collectives and gathered shards, the collective sharing sampled ids where it has one (its
-    bytes left out), and sampling on shards (``w.sampling``) where the logits stay sharded."""
+    bytes left out), and sampling on shards (``w.sampling``) where the logits stay sharded, by
+    the functional sampler (typical..worst) or the engine's (exact: a fixed script)."""
     s = strategy(name)
     c = shard_rows(w.vocab, ranks, scheme, w.pad_to)
     t = Traffic()
     if ranks > 1:
         t = exact(s.collectives + (s.ids is not None), logits_collection_bytes(
             name, rows, w.vocab, ranks, w.logits_dtype_bytes, scheme=scheme, pad_to=w.pad_to))
-    if s.on_shards:
+    if s.on_shards and sampler == "engine":
+        t += engine_traffic(rows, ranks, min(c, w.vocab), w.vocab, w.sampling)
+    elif s.on_shards:
         t += sampler_traffic(rows, ranks, min(c, w.vocab), w.vocab, w.sampling)
     return t
 
 
-def verify_traffic(name: str, w: Workload, ranks: int, scheme: str) -> Traffic:
+def engine_traffic(rows: int, ranks: int, widest: int, vocab: int, s: Sampling, *, drafts: int = 0,
+                   draft_logits: bool = False) -> Traffic:
+    """The engine ``Sampler``'s fixed script on ``rows`` batch rows (verifying ``drafts`` per
+    row: the stacked rows, with draft logits the masses and the correction), the same whatever
+    the logits. Its messages carry exactly the call's rows, as a sampler sized to them sends."""
+    weigh = draft_logits and not s.greedy and drafts > 0
+    stacked = rows * (drafts + 1 + drafts * weigh)
+    plan = engine_plan(stacked, ranks, widest, vocab, greedy=[s.greedy], top_k=[s.top_k], top_p=[s.top_p],
+                       min_p=[s.min_p])
+    return price(engine_sample_script(replace(plan, drafts=weigh)), ranks)
+
+
+def verify_traffic(name: str, w: Workload, ranks: int, scheme: str, sampler: str = "functional") -> Traffic:
     """Speculative verification of ``w.spec_tokens`` draft tokens per batch row, logits path
     only. Collecting designs gather the ``B·(K+1)`` target rows with their strategy (plus the
     collective sharing ids where they have one) and verify locally; replicated designs need
@@ -349,6 +370,8 @@ def verify_traffic(name: str, w: Workload, ranks: int, scheme: str) -> Traffic:
     if not strategy(name).on_shards:
         return logits_traffic(name, B * (K + 1), w, ranks, scheme)
     widest = min(shard_rows(w.vocab, ranks, scheme, w.pad_to), w.vocab)
+    if sampler == "engine":
+        return engine_traffic(B, ranks, widest, w.vocab, w.sampling, drafts=K, draft_logits=w.draft_logits)
     paths = verify_paths(B, K, w.draft_logits, ranks, widest, w.vocab, **w.sampling.knobs())
     return verify_price(paths, ranks)
 
@@ -380,7 +403,7 @@ def step_traffic(design: Design, w: Workload, *, owned: int | None = None, check
     if dp > 1 and design.scheme != "replicated":
         hidden = exact(2, hidden_gather_bytes(w.batch, dp, w.hidden, w.weight_dtype_bytes, checked))
     return (embedding_traffic(design, w, w.batch, n, owned) + hidden
-            + logits_traffic(design.strategy, w.batch, w, n, design.scheme))
+            + logits_traffic(design.strategy, w.batch, w, n, design.scheme, design.sampler))
 
 
 def embedding_traffic(design: Design, w: Workload, tokens: int, ranks: int, owned: int | None) -> Traffic:
@@ -399,4 +422,4 @@ def verify_step_traffic(design: Design, w: Workload, *, owned: int | None = None
     if n == 1:
         return Traffic()
     return (embedding_traffic(design, w, w.batch * (w.spec_tokens + 1), n, owned)
-            + verify_traffic(design.strategy, w, n, design.scheme))
+            + verify_traffic(design.strategy, w, n, design.scheme, design.sampler))
