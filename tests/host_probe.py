@@ -92,8 +92,15 @@ def measure(rows: int = B, parts: tuple[str, ...] = ("sample", "score", "collect
     engine = Sampler(layout, max_rows=rows, check=False)
     for key in keys if "engine" in parts else ():
         batch = engine.prepare(params(key, rows), positions=torch.arange(rows))
+        verifier = Sampler(layout, max_rows=rows * (2 * K + 1), check=False)
         for name, full in fams.items():
             out["engine"][key, name] = counted(engine.sample, _shard(full[:rows], layout), batch)
+            target = _shard(full[: rows * (K + 1)], layout).view(rows, K + 1, -1)
+            drafts = full[:rows, :K].argsort(1)[:, :K] % V
+            for draft in (False, True) if not key.greedy else (False,):
+                dl = _shard(full[rows * (K + 1):], layout).view(rows, K, -1) if draft else None
+                vbatch = verifier.prepare(params(key, rows), positions=torch.arange(rows))
+                out["engine"][key, draft, name] = counted(verifier.verify, target, vbatch, drafts, dl)
     for key in keys if "sample" in parts else ():
         p = params(key, rows)
         for name, full in fams.items():

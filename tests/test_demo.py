@@ -5,6 +5,7 @@ import json
 import pytest
 
 from vocabpar.demo import MODES, SPECULATIVE_DESIGNS
+from vocabpar.demo import designs as demo_designs
 from vocabpar.integrations.speculative import can_verify
 from vocabpar.plan import DESIGNS
 
@@ -26,10 +27,15 @@ def demo():
 def test_every_design_generates_the_reference_tokens(demo):
     _, data = demo
     assert (data["model"], data["vocab"], data["tied"], data["ranks"]) == ("gpt2", 50257, True, 2)
-    designs = [d for d in DESIGNS if not d.single_device]
+    designs = demo_designs()
+    assert [d.name for d in designs] == [d.name for d in DESIGNS if not d.single_device] + ["vocabpar-auto"]
     assert [(r["design"], r["mode"]) for r in data["rows"]] == [
         (d.name, m.name) for d in designs for m in MODES
         if not m.spec_tokens or d.name in SPECULATIVE_DESIGNS]
+    # the engine Sampler's step reads the host less than the functional sampler's, in every mode
+    reads = {(r["design"], r["mode"]): r["host_reads"] for r in data["rows"]}
+    for m in MODES:
+        assert reads["vocabpar-engine", m.name] < reads["vocabpar-sharded", m.name], m.name
     assert all(can_verify(d.strategy) for d in designs if d.name in SPECULATIVE_DESIGNS)
     assert all(0 <= r["acceptance"] <= 1 for r in data["rows"] if r["mode"].startswith("spec"))
     assert [r["equal"] for r in data["rows"]] == [3] * len(data["rows"])

@@ -74,5 +74,9 @@ def test_engine_sampler_table_holds_for_every_family(two_ranks):
         assert max(s[0] for s in seen) == host.ENGINE[key].launches, (key, seen)
         assert max(s[0] for s in seen) - min(s[0] for s in seen) <= 1 and all(s[1] == 0 for s in seen), key
         assert host.sampler_work("engine", key).reads == 1  # the flags, read once per step
+        for draft in (False, True) if not key.greedy else (False,):
+            seen = [_busiest(two_ranks, "engine", (key, draft, name)) for name in host_probe.families()]
+            work = host.verify_work("engine", key, draft)
+            assert max(s[0] for s in seen) == work.launches and all(s[1] == 0 for s in seen), (key, draft)
     with pytest.raises(ValueError, match="unknown sampler"):
         host.sampler_work("magic", host.SamplerKey(True))

@@ -142,6 +142,11 @@ ENGINE: dict[SamplerKey, HostWork] = {
 """``vocabpar.sampling.Sampler.sample`` on the shards, per key: the same launches whatever the
 logits (a fixed script of dense passes) and no host read; ``raise_if_failed``, the one read per
 step, is priced by the design's caller."""
+ENGINE_VERIFY_EXTRA = {(False, True): fixed(55, 0), (False, False): fixed(56, 0),
+                       (True, False): fixed(670, 0)}
+"""``Sampler.verify`` launches beyond its sampler call on the stacked rows, by (draft logits,
+greedy): stacking, acceptance and emission (55, one more when sampled); with draft logits, also
+the exact masses and the correction (670). The same whatever the logits; no host read."""
 DENSE: dict[SamplerKey, HostWork] = {
     K(True): fixed(2, 0),
     **{K(False, k, p, m): fixed(6 + 6 * (k != "none") + (8 if p and k == "none" else 6 * p) + 5 * m, int(m))
@@ -188,6 +193,9 @@ def verify_work(sampler: str, key: SamplerKey, draft_logits: bool) -> HostWork:
     """One verification of kind ``sampler`` on a batch of ``key``'s rows."""
     if sampler == "functional":
         return FUNCTIONAL_VERIFY[key, draft_logits and not key.greedy]
+    if sampler == "engine":
+        draft = draft_logits and not key.greedy
+        return ENGINE[key] + ENGINE_VERIFY_EXTRA[draft, key.greedy and not draft] + fixed(0, 1)
     if sampler == "dense":
         if key.greedy:
             return DENSE_VERIFY[True, False, False]

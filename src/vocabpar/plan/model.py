@@ -350,6 +350,8 @@ def engine_traffic(rows: int, ranks: int, widest: int, vocab: int, s: Sampling, 
     the logits. Its messages carry exactly the call's rows, as a sampler sized to them sends."""
     weigh = draft_logits and not s.greedy and drafts > 0
     stacked = rows * (drafts + 1 + drafts * weigh)
+    if not stacked:  # no call: an engine skips the sampler for an empty batch
+        return Traffic()
     plan = engine_plan(stacked, ranks, widest, vocab, greedy=[s.greedy], top_k=[s.top_k], top_p=[s.top_p],
                        min_p=[s.min_p])
     return price(engine_sample_script(replace(plan, drafts=weigh)), ranks)
