@@ -96,29 +96,29 @@ FUNCTIONAL: dict[SamplerKey, HostWork] = {
 FUNCTIONAL_VERIFY: dict[tuple[SamplerKey, bool], HostWork] = {
     (K(True), False): HostWork(143, 20, 143, 20),
     (K(False, "none", False, False), False): HostWork(891, 41, 891, 41),
-    (K(False, "none", False, False), True): HostWork(1503, 49, 1503, 49),
+    (K(False, "none", False, False), True): HostWork(1500, 48, 1500, 48),
     (K(False, "none", False, True), False): HostWork(613, 35, 895, 41),
-    (K(False, "none", False, True), True): HostWork(1225, 43, 1507, 49),
+    (K(False, "none", False, True), True): HostWork(1222, 42, 1504, 48),
     (K(False, "none", True, False), False): HostWork(717, 39, 1537, 72),
-    (K(False, "none", True, False), True): HostWork(1329, 47, 2149, 80),
+    (K(False, "none", True, False), True): HostWork(1326, 46, 2146, 79),
     (K(False, "none", True, True), False): HostWork(717, 39, 1537, 72),
-    (K(False, "none", True, True), True): HostWork(1329, 47, 2149, 80),
+    (K(False, "none", True, True), True): HostWork(1326, 46, 2146, 79),
     (K(False, "candidates", False, False), False): HostWork(625, 39, 907, 45),
-    (K(False, "candidates", False, False), True): HostWork(1237, 47, 1519, 53),
+    (K(False, "candidates", False, False), True): HostWork(1234, 46, 1516, 52),
     (K(False, "candidates", False, True), False): HostWork(625, 39, 907, 45),
-    (K(False, "candidates", False, True), True): HostWork(1237, 47, 1519, 53),
+    (K(False, "candidates", False, True), True): HostWork(1234, 46, 1516, 52),
     (K(False, "candidates", True, False), False): HostWork(711, 43, 1549, 76),
-    (K(False, "candidates", True, False), True): HostWork(1323, 51, 2161, 84),
+    (K(False, "candidates", True, False), True): HostWork(1320, 50, 2158, 83),
     (K(False, "candidates", True, True), False): HostWork(711, 43, 1549, 76),
-    (K(False, "candidates", True, True), True): HostWork(1323, 51, 2161, 84),
+    (K(False, "candidates", True, True), True): HostWork(1320, 50, 2158, 83),
     (K(False, "search", False, False), False): HostWork(1092, 60, 1426, 69),
-    (K(False, "search", False, False), True): HostWork(1704, 68, 2038, 77),
+    (K(False, "search", False, False), True): HostWork(1701, 67, 2035, 76),
     (K(False, "search", False, True), False): HostWork(1096, 60, 1430, 69),
-    (K(False, "search", False, True), True): HostWork(1708, 68, 2042, 77),
+    (K(False, "search", False, True), True): HostWork(1705, 67, 2039, 76),
     (K(False, "search", True, False), False): HostWork(919, 53, 1791, 89),
-    (K(False, "search", True, False), True): HostWork(1531, 61, 2403, 97),
+    (K(False, "search", True, False), True): HostWork(1528, 60, 2400, 96),
     (K(False, "search", True, True), False): HostWork(919, 53, 1791, 89),
-    (K(False, "search", True, True), True): HostWork(1531, 61, 2403, 97),
+    (K(False, "search", True, True), True): HostWork(1528, 60, 2400, 96),
 }
 """``vocabpar.sampling.verify`` on the shards, per key and whether draft logits come along (a
 greedy row ignores them)."""
@@ -133,20 +133,20 @@ more launches per rank, host reads)``; the ids exchanges launch nothing but thei
 DP attention reads the exchanged row counts on the host."""
 ENGINE: dict[SamplerKey, HostWork] = {
     K(True): fixed(55, 0),
-    K(False, "none", False, False): fixed(407, 0), K(False, "none", False, True): fixed(411, 0),
-    K(False, "none", True, False): fixed(514, 0), K(False, "none", True, True): fixed(514, 0),
-    **{K(False, "candidates", p, m): fixed(411, 0) for p in (False, True) for m in (False, True)},
-    K(False, "search", False, False): fixed(494, 0), K(False, "search", False, True): fixed(498, 0),
-    K(False, "search", True, False): fixed(593, 0), K(False, "search", True, True): fixed(593, 0),
+    K(False, "none", False, False): fixed(405, 0), K(False, "none", False, True): fixed(409, 0),
+    K(False, "none", True, False): fixed(510, 0), K(False, "none", True, True): fixed(510, 0),
+    **{K(False, "candidates", p, m): fixed(409, 0) for p in (False, True) for m in (False, True)},
+    K(False, "search", False, False): fixed(492, 0), K(False, "search", False, True): fixed(496, 0),
+    K(False, "search", True, False): fixed(589, 0), K(False, "search", True, True): fixed(589, 0),
 }
 """``vocabpar.sampling.Sampler.sample`` on the shards, per key: the same launches whatever the
 logits (a fixed script of dense passes) and no host read; ``raise_if_failed``, the one read per
 step, is priced by the design's caller."""
 ENGINE_VERIFY_EXTRA = {(False, True): fixed(55, 0), (False, False): fixed(56, 0),
-                       (True, False): fixed(670, 0)}
+                       (True, False): fixed(650, 0)}
 """``Sampler.verify`` launches beyond its sampler call on the stacked rows, by (draft logits,
 greedy): stacking, acceptance and emission (55, one more when sampled); with draft logits, also
-the exact masses and the correction (670). The same whatever the logits; no host read."""
+the exact masses and the correction (650). The same whatever the logits; no host read."""
 DENSE: dict[SamplerKey, HostWork] = {
     K(True): fixed(2, 0),
     **{K(False, k, p, m): fixed(6 + 6 * (k != "none") + (8 if p and k == "none" else 6 * p) + 5 * m, int(m))

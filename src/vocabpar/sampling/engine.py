@@ -33,7 +33,7 @@ import torch
 from vocabpar import comm
 from vocabpar.hashing import fingerprint
 from vocabpar.layout import VocabLayout
-from vocabpar.sampling.dense import processed, top
+from vocabpar.sampling.dense import top
 from vocabpar.sampling.failures import Failures
 from vocabpar.sampling.fixed import Choice, DraftPairs, padded
 from vocabpar.sampling.params import (
@@ -46,7 +46,14 @@ from vocabpar.sampling.params import (
 )
 from vocabpar.sampling.ranks import group_ranks, params_fact
 from vocabpar.sampling.scoring import TokenLogprobs, local_scores, merged_scores
-from vocabpar.sampling.semantics import NEG_INF, SampleOutput, VerifyOutput, merge_argmax, with_logprobs
+from vocabpar.sampling.semantics import (
+    NEG_INF,
+    SampleOutput,
+    VerifyOutput,
+    merge_argmax,
+    processed_logits,
+    with_logprobs,
+)
 from vocabpar.wire.records import folded, round_one, score
 from vocabpar.wire.scripts import ENGINE_FACTS as FACTS
 from vocabpar.wire.scripts import EnginePlan, engine_plan, engine_sample_script
@@ -292,7 +299,7 @@ class Sampler:
         if token_counts is not None:
             cols, owned = self.layout.local_ids(token_counts.ids, self.ranks.me)
             penalty = cols.to(device), owned.to(device), token_counts
-        x = processed(raw, ids, self.padded, rows, penalty, bitmask)
+        x = processed_logits(raw, ids, rows, penalty, bitmask, padded=self.padded)
         c = plan.candidates
         # 1. round one, with the check folded in
         if x.shape[1]:

@@ -10,12 +10,13 @@ holds, masked instead of compacted, so no step reads a device value.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from types import SimpleNamespace
 
 import torch
 
 from vocabpar.layout import VocabLayout
-from vocabpar.sampling.dense import best_kept, first_max, residual, threshold
+from vocabpar.sampling.dense import best_kept, first_max, threshold
 from vocabpar.sampling.failures import Failures
 from vocabpar.sampling.noise import gumbel, row_keys
 from vocabpar.sampling.params import Rows
@@ -32,6 +33,7 @@ from vocabpar.sampling.semantics import (
     merge_argmax,
     min_p_threshold,
     order_key,
+    residual_scores,
     top_p_pool,
     top_p_target,
 )
@@ -84,14 +86,16 @@ class Choice:
 
     def kept(self, sel: torch.Tensor | slice = slice(None)) -> torch.Tensor:
         """Bool ``[F, R]``: the kept tokens of rows ``sel``."""
-        x = self.x[sel]
-        z = x.double() / self.temperature[sel, None]
-        return (x >= self.thr[sel, None]) & (z >= self.min_z[sel, None])
+        return (self.x[sel] >= self.thr[sel, None]) & (self.z[sel] >= self.min_z[sel, None])
 
     def kept_mass(self, sel: torch.Tensor) -> torch.Tensor:
         """int64 ``[F, R]``: exact masses of the kept tokens of rows ``sel``, 0 elsewhere."""
-        z = self.x[sel].double() / self.temperature[sel, None]
-        return torch.where(self.kept(sel), mass(z, self.z_max[sel, None], self.vocab), 0)
+        return torch.where(self.kept(sel), mass(self.z[sel], self.z_max[sel, None], self.vocab), 0)
+
+    @cached_property
+    def z(self) -> torch.Tensor:
+        """float64 ``[B, R]``: ``x / t``, computed once, on the first step that needs it."""
+        return self.x.double() / self.temperature[:, None]
 
     def sample(self, ranks: Ranks, rows: Rows, positions: torch.Tensor, plan: EnginePlan,
                first: SimpleNamespace, best: torch.Tensor) -> Choice:
@@ -110,6 +114,7 @@ class Choice:
         t = torch.where(sampled, rows.temperature, 1.0)
         z_max = torch.where(sampled, best / t, 0.0)
         min_z = min_p_threshold(z_max, rows.min_p)
+        self.temperature, self.z_max, self.min_z = t, z_max, min_z
         cand = first.values.permute(1, 0, 2).reshape(B, n * c)  # [B, n·c]
         cand_id = first.ids.permute(1, 0, 2).reshape(B, n * c)
         cand_z = cand / t[:, None]
@@ -147,16 +152,15 @@ class Choice:
         tau = torch.where(topp & from_candidates, tau, NEG_INF)
         if plan.top_p_search:
             search = topp & ~from_candidates
-            z = x.double() / t[:, None]
+            z = self.z
             weight = top_p_pool(x, z, kappa[:, None], min_z[:, None], order) & real & search[:, None]
             weight = torch.where(weight, mass(z, z_max[:, None], V), 0)
             v = threshold(keys, weight, lambda measured: top_p_target(measured, rows.top_p), ranks, plan.rows)
             tau = torch.where(search, key_value(v - 2**31), tau)
-        self.temperature, self.z_max, self.min_z = t, z_max, min_z
         self.thr = torch.maximum(kappa, tau)
         # 3. the draw
         if plan.draw:
-            score, arg = best_kept(x, self.ids, self.kept() & sampled[:, None], t, rows.seed, positions)
+            score, arg = best_kept(self.z, self.ids, self.kept() & sampled[:, None], rows.seed, positions)
             got = DRAW.unpack(ranks.gather(padded(DRAW.pack(score=score, id=arg), plan.rows))[:, :B])
             _, drawn = merge_argmax(got.score, got.id)
         else:
@@ -212,7 +216,7 @@ class DraftPairs:
         j = accepted.clamp(max=k - 1)
         rejected = (accepted < k) & self.weighed.gather(1, j[:, None])[:, 0]
         pair = torch.arange(B, device=last.device) * k + j
-        scores = residual(choice.kept_mass(self.target_rows[pair]), self.total.target_total[pair],
+        scores = residual_scores(choice.kept_mass(self.target_rows[pair]), self.total.target_total[pair],
                           choice.kept_mass(self.draft_rows[pair]), self.total.draft_total[pair],
                           self.rows.seed, self.positions + j, choice.ids)
         best, arg = first_max(scores, choice.ids)

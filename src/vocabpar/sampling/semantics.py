@@ -101,18 +101,22 @@ def penalise(x: torch.Tensor, cols: torch.Tensor, owned: torch.Tensor, counts: T
              rows: Rows) -> torch.Tensor:
     """Apply, to ``x[b, cols[b, k]]`` where ``owned[b, k]``: repetition (divide positive, multiply
     negative logits) to tokens in the prompt or generated, as HF and vLLM; then frequency and
-    presence penalties from the generated counts only, as vLLM and OpenAI."""
-    b, k = owned.nonzero(as_tuple=True)
-    cols, n = cols[b, k], counts.counts[b, k]
-    v = x[b, cols]
+    presence penalties from the generated counts only, as vLLM and OpenAI. ``x``: ``[B, R]``;
+    ``cols``, ``owned``: ``[B, K]``. No host read: the slots this rank does not own write into a
+    spare column."""
+    B, R = x.shape
+    if not R:
+        return x
+    n = counts.counts
+    v = x.gather(1, cols)
     generated = n > 0
-    seen = generated if counts.in_prompt is None else generated | counts.in_prompt[b, k]
-    rep = rows.repetition_penalty[b]
+    seen = generated if counts.in_prompt is None else generated | counts.in_prompt
+    rep = rows.repetition_penalty[:, None]
     v = torch.where(seen, torch.where(v > 0, v / rep, v * rep), v)
-    v = v - rows.frequency_penalty[b] * n.float() - rows.presence_penalty[b] * generated.float()
-    x = x.clone()
-    x[b, cols] = v
-    return x
+    v = v - rows.frequency_penalty[:, None] * n.float() - rows.presence_penalty[:, None] * generated.float()
+    out = torch.cat([x, x.new_zeros(B, 1)], 1)
+    out.scatter_(1, torch.where(owned, cols, R), torch.where(owned, v, 0.0))
+    return out[:, :R]
 
 
 def allowed(bitmask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -125,10 +129,12 @@ def allowed(bitmask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def processed_logits(raw: torch.Tensor, ids: torch.Tensor, rows: Rows,
                      penalty_cols: tuple[torch.Tensor, torch.Tensor, TokenCounts] | None,
-                     bitmask: torch.Tensor | None) -> torch.Tensor:
+                     bitmask: torch.Tensor | None, padded: bool | None = None) -> torch.Tensor:
     """``x``: padding -> -inf, penalties, bitmask (disallowed -> -inf). Returns ``raw`` itself
-    when there is nothing to change (no padding, penalties or mask)."""
-    x = raw if bool((ids >= 0).all()) else torch.where(ids >= 0, raw, NEG_INF)
+    when there is nothing to change (no padding, penalties or mask). ``padded``: whether ``ids``
+    hold padding (``None``: read it from ``ids``, one host read)."""
+    padded = not bool((ids >= 0).all()) if padded is None else padded
+    x = torch.where(ids >= 0, raw, NEG_INF) if padded else raw
     if penalty_cols is not None:
         cols, owned, counts = penalty_cols
         x = penalise(x, cols, owned & (counts.ids >= 0), counts, rows)
@@ -250,8 +256,5 @@ def residual_scores(p: torch.Tensor, p_total: torch.Tensor, q: torch.Tensor, q_t
     ``log(p - q) + G`` where ``p > q``, else -inf. The noise is its own stream, independent of the
     sampler's and of the draft's."""
     r = p.double() / p_total.double()[:, None] - q.double() / q_total.double()[:, None]
-    row, col = (r > 0).nonzero(as_tuple=True)  # usually few: p > 0 only on the kept tokens
-    scores = torch.full_like(r, NEG_INF)
-    keys = row_keys(seed[row], positions[row], "residual")
-    scores[row, col] = torch.log(r[row, col]) + gumbel(keys, ids[col])
-    return scores
+    noise = gumbel(row_keys(seed, positions, "residual")[:, None, :], ids.clamp(min=0))
+    return torch.where(r > 0, torch.log(r.clamp(min=0)) + noise, NEG_INF)
