@@ -5,6 +5,10 @@ import os
 # stable on a shared machine; set before torch loads (here, and in every rank through the
 # forkserver's environment).
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+# The sampler's passes compile on first use in each process (seconds each); the suite's many short
+# rank processes run them eager, which gives the same bits. tests/test_fused.py compiles them and
+# checks compiled == eager == reference.
+os.environ.setdefault("VOCABPAR_COMPILE", "0")
 
 from vocabpar import launch  # noqa: E402
 

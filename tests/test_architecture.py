@@ -13,7 +13,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "vocabpar"
 
 FLOORS = {
-    "layout": 1, "hashing": 1, "presets": 1, "wire": 1, "host_reads": 1,
+    "layout": 1, "hashing": 1, "exactmath": 1, "presets": 1, "wire": 1, "host_reads": 1,
     "comm": 2, "plan": 2, "launch": 2, "rss": 2,
     "weights": 3, "embedding": 3, "sampling": 3,
     "head": 4, "collect": 4,

@@ -16,8 +16,9 @@ from types import SimpleNamespace
 import torch
 
 from vocabpar.layout import VocabLayout
-from vocabpar.sampling.dense import best_kept, first_max, threshold
+from vocabpar.sampling.dense import threshold
 from vocabpar.sampling.failures import Failures
+from vocabpar.sampling.fused import best_kept, first_max, masses, residual
 from vocabpar.sampling.noise import gumbel, row_keys
 from vocabpar.sampling.params import Rows
 from vocabpar.sampling.ranks import Ranks
@@ -33,7 +34,6 @@ from vocabpar.sampling.semantics import (
     merge_argmax,
     min_p_threshold,
     order_key,
-    residual_scores,
     top_p_pool,
     top_p_target,
 )
@@ -90,7 +90,8 @@ class Choice:
 
     def kept_mass(self, sel: torch.Tensor) -> torch.Tensor:
         """int64 ``[F, R]``: exact masses of the kept tokens of rows ``sel``, 0 elsewhere."""
-        return torch.where(self.kept(sel), mass(self.z[sel], self.z_max[sel, None], self.vocab), 0)
+        return masses(self.x[sel], self.thr[sel], self.temperature[sel], self.min_z[sel], self.z_max[sel],
+                      self.vocab)
 
     @cached_property
     def z(self) -> torch.Tensor:
@@ -152,15 +153,15 @@ class Choice:
         tau = torch.where(topp & from_candidates, tau, NEG_INF)
         if plan.top_p_search:
             search = topp & ~from_candidates
-            z = self.z
-            weight = top_p_pool(x, z, kappa[:, None], min_z[:, None], order) & real & search[:, None]
-            weight = torch.where(weight, mass(z, z_max[:, None], V), 0)
+            pool_z = min_z if order == "vllm" else torch.full_like(min_z, NEG_INF)  # padding: mass 0
+            weight = masses(x, torch.where(search, kappa, float("inf")), t, pool_z, z_max, V)
             v = threshold(keys, weight, lambda measured: top_p_target(measured, rows.top_p), ranks, plan.rows)
             tau = torch.where(search, key_value(v - 2**31), tau)
         self.thr = torch.maximum(kappa, tau)
         # 3. the draw
         if plan.draw:
-            score, arg = best_kept(self.z, self.ids, self.kept() & sampled[:, None], rows.seed, positions)
+            lower = torch.where(sampled, self.thr, float("inf"))
+            score, arg = best_kept(x, self.ids, lower, t, min_z, row_keys(rows.seed, positions))
             got = DRAW.unpack(ranks.gather(padded(DRAW.pack(score=score, id=arg), plan.rows))[:, :B])
             _, drawn = merge_argmax(got.score, got.id)
         else:
@@ -216,10 +217,9 @@ class DraftPairs:
         j = accepted.clamp(max=k - 1)
         rejected = (accepted < k) & self.weighed.gather(1, j[:, None])[:, 0]
         pair = torch.arange(B, device=last.device) * k + j
-        scores = residual_scores(choice.kept_mass(self.target_rows[pair]), self.total.target_total[pair],
-                          choice.kept_mass(self.draft_rows[pair]), self.total.draft_total[pair],
-                          self.rows.seed, self.positions + j, choice.ids)
-        best, arg = first_max(scores, choice.ids)
+        best, arg = residual(choice.kept_mass(self.target_rows[pair]), self.total.target_total[pair],
+                             choice.kept_mass(self.draft_rows[pair]), self.total.draft_total[pair],
+                             self.rows.seed, self.positions + j, choice.ids)
         message = padded(DRAW.pack(score=best, id=arg), self.max_rows)
         got = DRAW.unpack(self.ranks.gather(message)[:, :B])
         score, token = merge_argmax(got.score, got.id)

@@ -2,11 +2,10 @@
 
 The hash is pure integer arithmetic on 32-bit values held in int64 tensors (every product stays
 below 2**49, so nothing relies on signed-overflow behaviour), hence bit-identical on every
-platform and for any tensor shape. The only floating-point step is ``-log(-log(u))`` in float64;
-it is elementwise, so the noise of a token never depends on the batch row, the batch composition
-or the number of ranks. (Bit-identity of the sampled token across world sizes additionally
-assumes ``torch.log`` returns the same float64 for the same input wherever the element sits in a
-tensor, which holds for the ATen CPU kernels; it is tested in ``tests/test_sampling.py``.)
+platform and for any tensor shape. The only floating-point step is ``-log(-log(u))`` in float64
+with :func:`vocabpar.exactmath.log` (correctly rounded IEEE operations only): elementwise and the
+same bits eager or compiled, on any kernel set, so the noise of a token never depends on the batch
+row, the batch composition, the number of ranks or which code path computed it.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import functools
 
 import torch
 
+from vocabpar import exactmath
 from vocabpar.hashing import M32
 from vocabpar.hashing import fmix32 as _fmix32
 
@@ -36,9 +36,10 @@ def row_keys(seed: torch.Tensor, position: torch.Tensor, stream: str = "sample")
     return torch.stack(keys, -1)
 
 
-def gumbel_bucket(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The top 16 bits of the ``u`` behind :func:`gumbel` (one hash instead of two)."""
-    return _fmix32(ids ^ keys[..., 0]) >> 16
+def gumbel_bucket(key: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The top 16 bits of the ``u`` behind :func:`gumbel` (one hash instead of two), from the
+    rows' first key ``key`` (``keys[..., 0]``), broadcast against ``ids``."""
+    return _fmix32(ids ^ key) >> 16
 
 
 @functools.cache
@@ -59,4 +60,4 @@ def uniform(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def gumbel(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Standard Gumbel noise (float64) ``-log(-log(u))`` of :func:`uniform`."""
-    return -torch.log(-torch.log(uniform(keys, ids)))
+    return -exactmath.log(-exactmath.log(uniform(keys, ids)))

@@ -15,13 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
-from vocabpar.sampling.noise import gumbel, gumbel_bound, gumbel_bucket
+from vocabpar.sampling.fused import Fused, digits, reachable
+from vocabpar.sampling.noise import gumbel, gumbel_bound
 from vocabpar.sampling.ranks import Ranks
 from vocabpar.sampling.semantics import NEG_INF, key_value, merge_argmax, order_key, row_argmax
 from vocabpar.wire.records import HISTOGRAM, SEARCH_BITS, SETTLE_BITS, SETTLE_TOKENS, settle
 from vocabpar.wire.scripts import Search
 
 
+@Fused
 def shard_keys(x: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     """Unsigned order keys in [0, 2**32) of this shard's tokens (-1 for padding columns).
     ``x``: float32 ``[F, columns]``; ``real``: bool ``[columns]``."""
@@ -47,11 +49,10 @@ def contenders(x: torch.Tensor, ids: torch.Tensor, thr: torch.Tensor, temperatur
     :func:`gumbel_bound`) cannot reach it is dropped before its exact noise is computed. Never
     drops a possible winner (the bound is conservative). ``x``: ``[F, columns]``; ``ids``:
     ``[columns]``; the rest ``[F]``."""
-    z = x.double() / temperature[:, None]
-    r, col = ((ids >= 0) & (x >= thr[:, None]) & (z >= min_z[:, None])).nonzero(as_tuple=True)
-    z = z[r, col]
-    reach = z + gumbel_bound().to(z.device)[gumbel_bucket(keys[r], ids[col])] >= floor_score[r]
-    return r[reach], col[reach], z[reach]
+    bound = gumbel_bound().to(x.device)
+    r, col = reachable(x, ids, thr, temperature, min_z, floor_score, keys[:, 0].contiguous(), bound).nonzero(
+        as_tuple=True)
+    return r, col, x[r, col].double() / temperature[r]
 
 
 @dataclass(frozen=True)
@@ -185,12 +186,9 @@ def _histogram_round(key, wt, r, bits, shift, prefix, above, total, need, ranks:
     threshold. Returns the narrowed (shift, prefix, above), the total and ``need`` once known, and
     which tokens stay in the bucket."""
     F = prefix.shape[0]
-    rs, rb = shift[r], bits[r]
-    high = key >> rs
-    inside = high == prefix[r]
     top = 1 << SEARCH_BITS  # the "above" column of the record; below the bucket weighs nothing
-    digit = torch.where(inside, (key >> (rs - rb)) & ((1 << rb) - 1), top)
-    weight = torch.where(inside | (high > prefix[r]), wt, 0)
+    per_row = (shift, bits, prefix) if key.dim() == 2 else (shift[r], bits[r], prefix[r])  # dense or listed
+    digit, weight, inside = digits(key, wt, *per_row, top)
     words = HISTOGRAM.words()
     hist = torch.zeros(F * words, dtype=torch.long).index_add_(0, (r * words + digit).reshape(-1),
                                                                weight.reshape(-1))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vocabpar import exactmath
 from vocabpar.sampling.failures import Failures
 from vocabpar.sampling.noise import gumbel, row_keys, uniform
 from vocabpar.sampling.params import Rows, TokenCounts
@@ -159,9 +160,10 @@ def check_rows(nan_rows: torch.Tensor, empty_rows: torch.Tensor,
 
 # ---------------------------------------------------------------------- order keys
 def order_key(x: torch.Tensor) -> torch.Tensor:
-    """int64 key in [-2**31, 2**31) whose order is the float order of ``x`` (no NaN; -0.0 is
-    folded into +0.0)."""
-    b = (x + 0.0).view(torch.int32)
+    """int64 key in [-2**31, 2**31) whose order is the float order of float32 ``x`` (no NaN;
+    -0.0 is folded into +0.0). Integer operations only: compilers may not fold ``-0.0 + 0.0``."""
+    b = x.view(torch.int32)
+    b = torch.where(b == -(2**31), 0, b)  # the bits of -0.0
     return torch.where(b < 0, b ^ 0x7FFFFFFF, b).long()
 
 
@@ -184,8 +186,9 @@ def mass_shift(vocab_size: int) -> int:
 
 
 def mass(z: torch.Tensor, zmax: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Exact fixed-point weight (int64) of each token: ``floor(exp(z - zmax) * 2**s)``."""
-    return torch.floor(torch.exp(z - zmax) * 2.0 ** mass_shift(vocab_size)).long()
+    """Exact fixed-point weight (int64) of each token: ``floor(exp(z - zmax) * 2**s)``
+    (:func:`vocabpar.exactmath.exp_fixed`: the same integers eager or compiled)."""
+    return exactmath.exp_fixed(z - zmax, mass_shift(vocab_size))
 
 
 def top_p_target(total: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -257,4 +260,4 @@ def residual_scores(p: torch.Tensor, p_total: torch.Tensor, q: torch.Tensor, q_t
     sampler's and of the draft's."""
     r = p.double() / p_total.double()[:, None] - q.double() / q_total.double()[:, None]
     noise = gumbel(row_keys(seed, positions, "residual")[:, None, :], ids.clamp(min=0))
-    return torch.where(r > 0, torch.log(r.clamp(min=0)) + noise, NEG_INF)
+    return torch.where(r > 0, exactmath.log(r.clamp(min=1e-300)) + noise, NEG_INF)

@@ -44,6 +44,7 @@ import torch
 
 from vocabpar import comm
 from vocabpar.layout import VocabLayout
+from vocabpar.sampling.fused import masses
 from vocabpar.sampling.noise import row_keys
 from vocabpar.sampling.params import Rows, SamplingParams, TokenCounts, check_sample_inputs, on_device
 from vocabpar.sampling.ranks import Ranks, agreed, group_ranks, params_fact
@@ -376,19 +377,17 @@ class SampledRows:
     def local_mass(self, sel: torch.Tensor, kappa: torch.Tensor) -> torch.Tensor:
         """Integer masses ``[len(sel), columns]`` of this shard's tokens of rows ``sel`` in their
         top-p pool."""
-        order = self.rows.filter_order
-        min_z = self.min_z[sel, None]
-        return self._masses(sel, lambda x, z: top_p_pool(x, z, kappa[sel, None], min_z, order))
+        min_z = self.min_z if self.rows.filter_order == "vllm" else torch.full_like(self.min_z, NEG_INF)
+        return self._masses(sel, kappa, min_z)
 
     def kept_mass(self, sel: torch.Tensor, thr: torch.Tensor) -> torch.Tensor:
         """Integer masses ``[len(sel), columns]`` of this shard's tokens of rows ``sel`` that the
         rows keep, 0 elsewhere: the rows' final distribution, unnormalised."""
-        return self._masses(sel, lambda x, z: (x >= thr[sel, None]) & (z >= self.min_z[sel, None]))
+        return self._masses(sel, thr, self.min_z)
 
-    def _masses(self, sel: torch.Tensor, where: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-        x = self.x[sel]
-        z = x.double() / self.temperature[sel, None]
-        return torch.where(where(x, z), mass(z, self.z_max[sel, None], self.V), 0)
+    def _masses(self, sel: torch.Tensor, lower: torch.Tensor, min_z: torch.Tensor) -> torch.Tensor:
+        """Masses of rows ``sel`` where ``x >= lower`` and ``z >= min_z`` (both ``[B]``)."""
+        return masses(self.x[sel], lower[sel], self.temperature[sel], min_z[sel], self.z_max[sel], self.V)
 
     def draw(self, tokens: torch.Tensor, thr: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
         """Gumbel-max over the kept tokens (``x >= thr``, ``z >= min_z``) of the ``wanted`` rows

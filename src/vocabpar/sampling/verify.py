@@ -36,6 +36,7 @@ import torch
 
 from vocabpar import comm
 from vocabpar.layout import VocabLayout
+from vocabpar.sampling.fused import residual
 from vocabpar.sampling.params import Rows, SamplingParams, check_positions, check_verify_inputs, on_device
 from vocabpar.sampling.ranks import Ranks, agreed, group_ranks, params_fact
 from vocabpar.sampling.semantics import (
@@ -44,8 +45,6 @@ from vocabpar.sampling.semantics import (
     accept_uniform,
     accepts,
     merge_argmax,
-    residual_scores,
-    row_argmax,
 )
 from vocabpar.sampling.sharded import Choice, choose
 from vocabpar.wire.records import DRAW, MASSES
@@ -178,11 +177,9 @@ class _Masses:
         f = torch.searchsorted(self.b * k + self.i, b * k + j)  # the weighed entry of (b, j)
         target, draft = self._rows(b, j)
         step, ids = self.choice.step, self.ranks.ids
-        scores = residual_scores(step.kept_mass(target, self.choice.thr), self.total.target_total[f],
-                                 step.kept_mass(draft, self.choice.thr), self.total.draft_total[f],
-                                 step.rows.seed[target], self.pos[b] + j, ids)
-        r, col = (scores > NEG_INF).nonzero(as_tuple=True)
-        best, arg = row_argmax(r, ids[col], scores[r, col], b.numel())
+        best, arg = residual(step.kept_mass(target, self.choice.thr), self.total.target_total[f],
+                             step.kept_mass(draft, self.choice.thr), self.total.draft_total[f],
+                             step.rows.seed[target], self.pos[b] + j, ids)
         got = DRAW.unpack(self.ranks.gather(DRAW.pack(score=best, id=arg)))
         score, token = merge_argmax(got.score, got.id)
         self.rejected = b.numel()

@@ -1,0 +1,162 @@
+"""The sampler's local passes over a shard, each one loop: plain torch, compiled where a compiler
+is at hand (``torch.compile``: Inductor's C++ on CPU, Triton on CUDA), run op by op otherwise.
+
+Compiled and eager give the same bits: the passes use only integer operations, comparisons and
+correctly rounded float operations (:mod:`vocabpar.exactmath` supplies ``log`` and ``exp``), and
+Inductor compiles without fusing a product and a sum into one rounding (``-ffp-contract=off`` in
+C++, ``emulate_precision_casts`` for Triton). Each pass compiles once per process with every
+dimension dynamic (unbacked, so sizes 0 and 1 do not specialise it): changing the batch, the
+positions or the parameters never recompiles; Inductor's on-disk cache serves later processes.
+``VOCABPAR_COMPILE=0`` (or :func:`compiling`) runs everything eager; a pass whose compilation
+fails warns once and runs eager. Inputs under :data:`MIN_ELEMENTS`, and empty ones, run eager: a
+compiled call's fixed overhead would not pay off (so compiled code never sees an empty tensor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator
+
+import torch
+
+from vocabpar.sampling.noise import gumbel, gumbel_bucket
+from vocabpar.sampling.semantics import NEG_INF, mass, residual_scores
+
+SWITCH = "VOCABPAR_COMPILE"
+MIN_ELEMENTS = 1 << 14
+_on = [os.environ.get(SWITCH, "1") != "0"]
+COMPILE_SECONDS: dict[str, float] = {}
+"""Per pass, the seconds its first compiled call took in this process (compilation included)."""
+
+
+@contextlib.contextmanager
+def compiling(on: bool) -> Iterator[None]:
+    """Run the passes compiled (``True``, where possible) or eager inside the block."""
+    before, _on[0] = _on[0], on
+    try:
+        yield
+    finally:
+        _on[0] = before
+
+
+class Fused:
+    """A pass ``fn`` of tensors, compiled on first use when enabled; the same bits either way."""
+
+    def __init__(self, fn: Callable[..., object]) -> None:
+        self.fn, self.compiled, self.broken = fn, None, False
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: object) -> object:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        sizes = [t.numel() for t in tensors if t.dim()]
+        if not _on[0] or self.broken or max(sizes) < MIN_ELEMENTS or min(sizes) == 0:
+            return self.fn(*args)
+        # no size specialises the compiled code, 0 and 1 included; so a pass never takes a size-1
+        # dimension meant to broadcast: it adds it itself (``[:, None]``)
+        for t in tensors:
+            for dim in range(t.dim()):
+                torch._dynamo.decorators.mark_unbacked(t, dim)
+        if self.compiled is None:
+            return self._first(args)
+        return self.compiled(*args)
+
+    def _first(self, args: tuple[object, ...]) -> object:
+        """Compile and run; on a compiler failure run eager from now on (a bad input raises
+        from the eager run as it would without compilation)."""
+        self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True,
+                                      options={"emulate_precision_casts": True})
+        start = time.perf_counter()
+        try:
+            out = self.compiled(*args)
+        except Exception as error:  # noqa: BLE001 -- a missing compiler surfaces as any of several types
+            out = self.fn(*args)
+            self.broken = True
+            warnings.warn(f"vocabpar: compiling {self.__name__} failed, running it eager "
+                          f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})",
+                          RuntimeWarning, stacklevel=3)
+        COMPILE_SECONDS[self.__name__] = time.perf_counter() - start
+        return out
+
+
+# ---------------------------------------------------------------------- the passes
+@Fused
+def masses(x: torch.Tensor, lower: torch.Tensor, temperature: torch.Tensor, min_z: torch.Tensor,
+           z_max: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int64 ``[F, R]``: the exact mass of each token with ``x >= lower`` and ``z = x / t >=
+    min_z``, 0 elsewhere. ``x``: float32 ``[F, R]``; the rest float64 ``[F]``."""
+    z = x.double() / temperature[:, None]
+    kept = (x >= lower[:, None]) & (z >= min_z[:, None])
+    return torch.where(kept, mass(z, z_max[:, None], vocab_size), 0)
+
+
+@Fused
+def best_kept(x: torch.Tensor, ids: torch.Tensor, lower: torch.Tensor, temperature: torch.Tensor,
+              min_z: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row the Gumbel-max over the kept tokens (``x >= lower``, ``z = x / t >= min_z``): the
+    best ``z + G`` (float64 ``[F]``, -inf if none) and the lowest id reaching it (-1 if none).
+    ``x``: float32 ``[F, R]``; ``ids``: ``[R]`` (-1: padding, never kept); ``keys``: ``[F, 2]``;
+    the rest float64 ``[F]``."""
+    z = x.double() / temperature[:, None]
+    kept = (x >= lower[:, None]) & (z >= min_z[:, None]) & (ids >= 0)
+    score = torch.where(kept, z + gumbel(keys[:, None, :], ids.clamp(min=0)), NEG_INF)
+    return _first_max(score, torch.where(kept, ids, -1))
+
+
+def _first_max(score: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the max of ``score`` ``[F, R]`` and the lowest of ``ids`` (``[R]`` or ``[F, R]``,
+    -1 = none) reaching it: float64 ``[F]`` (-inf for an empty row) and int64 ``[F]`` (-1 when
+    no id reaches it)."""
+    big = torch.iinfo(torch.long).max
+    if not (torch.compiler.is_compiling() or score.shape[1]):  # compiled code never sees R = 0
+        return score.new_full(score.shape[:1], NEG_INF), torch.full(score.shape[:1], -1, device=score.device)
+    best = score.amax(1)
+    arg = torch.where((score == best[:, None]) & (ids >= 0), ids, big).amin(1)
+    return best, torch.where(arg == big, -1, arg)
+
+
+first_max = Fused(_first_max)
+
+
+@Fused
+def reachable(x: torch.Tensor, ids: torch.Tensor, lower: torch.Tensor, temperature: torch.Tensor,
+              min_z: torch.Tensor, floor: torch.Tensor, key: torch.Tensor,
+              bound: torch.Tensor) -> torch.Tensor:
+    """Bool ``[F, R]``: kept tokens (``x >= lower``, ``z = x / t >= min_z``, real) whose noise
+    bound (``bound``: :func:`~vocabpar.sampling.noise.gumbel_bound`, indexed by the top 16 bits of
+    their uniform) lets ``z + G`` reach ``floor``. The bound is conservative: no possible winner
+    is dropped. ``x``: float32 ``[F, R]``; ``ids``: ``[R]``; ``key``: each row's first noise key
+    ``[F]``; the rest float64 ``[F]``."""
+    z = x.double() / temperature[:, None]
+    kept = (x >= lower[:, None]) & (z >= min_z[:, None]) & (ids >= 0)
+    return kept & (z + bound[gumbel_bucket(key[:, None], ids.clamp(min=0))] >= floor[:, None])
+
+
+@Fused
+def residual(p: torch.Tensor, p_total: torch.Tensor, q: torch.Tensor, q_total: torch.Tensor,
+             seed: torch.Tensor, positions: torch.Tensor,
+             ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The correction's Gumbel-max from ``(p - q)+`` per row
+    (:func:`~vocabpar.sampling.semantics.residual_scores` then :func:`first_max`): ``p``, ``q``
+    int64 ``[F, R]``; totals, seeds and positions ``[F]``; ``ids`` ``[R]``."""
+    return _first_max(residual_scores(p, p_total, q, q_total, seed, positions, ids), ids)
+
+
+@Fused
+def digits(keys: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor | int, bits: torch.Tensor | int,
+           prefix: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One histogram round's columns: per token, its digit of ``bits`` bits below ``shift`` when
+    its key lies in the bucket ``prefix`` (``keys >> shift == prefix``), else ``top``; the weight
+    it adds (0 below the bucket); whether it is inside. ``keys``, ``weight``: int64 ``[F, R]``
+    (then ``shift``, ``bits``, ``prefix`` per row ``[F]``) or ``[N]`` (then per token ``[N]``);
+    ``shift`` and ``bits`` may be ints."""
+    if keys.dim() == 2:  # per row: broadcast here, never as a size-1 input (see Fused)
+        shift, bits, prefix = (v[:, None] if isinstance(v, torch.Tensor) else v
+                               for v in (shift, bits, prefix))
+    high = keys >> shift
+    inside = high == prefix
+    digit = torch.where(inside, (keys >> (shift - bits)) & ((1 << bits) - 1), top)
+    return digit, torch.where(inside | (high > prefix), weight, 0), inside
