@@ -90,8 +90,8 @@ class Choice:
 
     def kept_mass(self, sel: torch.Tensor) -> torch.Tensor:
         """int64 ``[F, R]``: exact masses of the kept tokens of rows ``sel``, 0 elsewhere."""
-        return masses(self.x[sel], self.thr[sel], self.temperature[sel], self.min_z[sel], self.z_max[sel],
-                      self.vocab)
+        return masses(self.x[sel], self.thr[sel].double(), self.temperature[sel], self.min_z[sel],
+                      self.z_max[sel], self.vocab)
 
     @cached_property
     def z(self) -> torch.Tensor:
@@ -154,13 +154,13 @@ class Choice:
         if plan.top_p_search:
             search = topp & ~from_candidates
             pool_z = min_z if order == "vllm" else torch.full_like(min_z, NEG_INF)  # padding: mass 0
-            weight = masses(x, torch.where(search, kappa, float("inf")), t, pool_z, z_max, V)
+            weight = masses(x, torch.where(search, kappa.double(), float("inf")), t, pool_z, z_max, V)
             v = threshold(keys, weight, lambda measured: top_p_target(measured, rows.top_p), ranks, plan.rows)
             tau = torch.where(search, key_value(v - 2**31), tau)
         self.thr = torch.maximum(kappa, tau)
         # 3. the draw
         if plan.draw:
-            lower = torch.where(sampled, self.thr, float("inf"))
+            lower = torch.where(sampled, self.thr.double(), float("inf"))
             score, arg = best_kept(x, self.ids, lower, t, min_z, row_keys(rows.seed, positions))
             got = DRAW.unpack(ranks.gather(padded(DRAW.pack(score=score, id=arg), plan.rows))[:, :B])
             _, drawn = merge_argmax(got.score, got.id)

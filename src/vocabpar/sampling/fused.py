@@ -51,6 +51,7 @@ class Fused:
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: object) -> object:
+        args = tuple(_dense(a) if isinstance(a, torch.Tensor) else a for a in args)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         sizes = [t.numel() for t in tensors if t.dim()]
         if not _on[0] or self.broken or max(sizes) < MIN_ELEMENTS or min(sizes) == 0:
@@ -80,6 +81,16 @@ class Fused:
                           RuntimeWarning, stacklevel=3)
         COMPILE_SECONDS[self.__name__] = time.perf_counter() - start
         return out
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with row-major strides (a copy only if it has others, e.g. a column of a matrix):
+    compiled code is specialised on the stride pattern."""
+    expected, step = [], 1
+    for size in reversed(t.shape):
+        expected.insert(0, step)
+        step *= size
+    return t if list(t.stride()) == expected else t.clone(memory_format=torch.contiguous_format)
 
 
 # ---------------------------------------------------------------------- the passes

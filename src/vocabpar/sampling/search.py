@@ -50,8 +50,8 @@ def contenders(x: torch.Tensor, ids: torch.Tensor, thr: torch.Tensor, temperatur
     drops a possible winner (the bound is conservative). ``x``: ``[F, columns]``; ``ids``:
     ``[columns]``; the rest ``[F]``."""
     bound = gumbel_bound().to(x.device)
-    r, col = reachable(x, ids, thr, temperature, min_z, floor_score, keys[:, 0].contiguous(), bound).nonzero(
-        as_tuple=True)
+    reach = reachable(x, ids, thr.double(), temperature, min_z, floor_score, keys[:, 0], bound)
+    r, col = reach.nonzero(as_tuple=True)
     return r, col, x[r, col].double() / temperature[r]
 
 

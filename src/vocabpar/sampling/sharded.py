@@ -387,7 +387,8 @@ class SampledRows:
 
     def _masses(self, sel: torch.Tensor, lower: torch.Tensor, min_z: torch.Tensor) -> torch.Tensor:
         """Masses of rows ``sel`` where ``x >= lower`` and ``z >= min_z`` (both ``[B]``)."""
-        return masses(self.x[sel], lower[sel], self.temperature[sel], min_z[sel], self.z_max[sel], self.V)
+        return masses(self.x[sel], lower[sel].double(), self.temperature[sel], min_z[sel], self.z_max[sel],
+                      self.V)
 
     def draw(self, tokens: torch.Tensor, thr: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
         """Gumbel-max over the kept tokens (``x >= thr``, ``z >= min_z``) of the ``wanted`` rows

@@ -1,0 +1,173 @@
+"""The fused passes compiled (Inductor) against the same passes eager: the same bits for every
+pass and shape, the same tokens from ``sample``, ``verify`` and the engine ``Sampler`` at 1-4
+ranks (equal to the reference too), one compilation per pass whatever the shapes; and the
+float64 ``log`` / ``exp`` they rest on against libm. The rest of the suite runs the passes eager
+(``VOCABPAR_COMPILE=0`` in conftest): one launch here pays the compilations once per rank."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from vocabpar import SamplingParams, VocabLayout, comm, exactmath, reference_sample, reference_verify, sample
+from vocabpar.launch import run
+from vocabpar.sampling import Sampler, fused, verify
+from vocabpar.sampling.noise import gumbel_bound, row_keys
+from vocabpar.sampling.search import shard_keys
+
+V, B, K = 3000, 6, 2
+PARAMS = {
+    "top-p 0.9": SamplingParams(top_p=0.9),
+    "top-k 700": SamplingParams(top_k=700),
+    "min-p 0.1": SamplingParams(min_p=0.1),
+    "mixed": SamplingParams(temperature=[0.0, 0.7, 1.0, 1.3, 0.9, 1.0], top_k=[0, 40, 0, 900, 0, 5],
+                            top_p=[1.0, 0.9, 0.5, 1.0, 0.95, 1.0], min_p=[0.0, 0.0, 0.05, 0.0, 0.1, 0.0]),
+}
+
+
+def test_log_and_exp_are_within_an_ulp_or_two_of_libm():
+    g = torch.Generator().manual_seed(0)
+    x = torch.exp(torch.empty(200_000, dtype=torch.float64).uniform_(-700, 700, generator=g))
+    x = torch.cat([x, torch.tensor([1.0, 2.0, 0.5, math.sqrt(2), 1 - 2**-53, 1 + 2**-52, 2.0**-1022])])
+    assert ((exactmath.log(x) - torch.log(x)).abs() <= 4e-16 * torch.log(x).abs().clamp(min=1e-300)).all()
+    assert exactmath.log(torch.tensor([1.0], dtype=torch.float64)).item() == 0.0
+    d = -torch.empty(200_000, dtype=torch.float64).uniform_(0, 60, generator=g)
+    d = torch.cat([d, torch.tensor([0.0, -1e-300, float("-inf"), -800.0])])
+    for shift in (0, 30, 45, 61):
+        got, want = exactmath.exp_fixed(d, shift), torch.floor(torch.exp(d) * 2.0**shift)
+        assert ((got.double() - want).abs() <= 1 + 4e-16 * want).all(), shift
+    ends = torch.tensor([0.0, float("-inf")], dtype=torch.float64)
+    assert exactmath.exp_fixed(ends, 45).tolist() == [2**45, 0]
+
+
+def _pass_inputs(F: int, R: int, seed: int) -> dict[str, tuple]:
+    """Arguments of every pass at ``[F, R]``, with padding columns, -inf and tied logits."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(F, R, generator=g) * 2).bfloat16().float()
+    x[:, ::7] = float("-inf")
+    ids = torch.randperm(4 * R, generator=g)[:R].sort().values
+    ids[-(R // 5):] = -1
+    t = torch.rand(F, generator=g, dtype=torch.float64) + 0.5
+    z_max = (x.double() / t[:, None]).amax(1)
+    lower = torch.where(torch.arange(F) % 2 == 0, x.double().quantile(0.3, 1), float("-inf"))
+    min_z = z_max - 3
+    keys = row_keys(torch.arange(F) + seed, torch.arange(F) * 3)
+    p = fused.masses(x, lower, t, min_z, z_max, V)
+    q = fused.masses(x.flip(1), lower, t, min_z, z_max, V)
+    shift = torch.randint(11, 33, (F,), generator=g)  # at least the 11 bits it reads
+    order = torch.randint(0, 2**32, (F, R), generator=g)
+    return {
+        "masses": (x, lower, t, min_z, z_max, V),
+        "best_kept": (x, ids, lower, t, min_z, keys),
+        "reachable": (x, ids, lower, t, min_z, z_max + 3.5, keys[:, 0].contiguous(), gumbel_bound()),
+        "residual": (p, p.sum(1), q, q.sum(1).clamp(min=1), torch.arange(F), torch.arange(F), ids),
+        "first_max": (x.double(), ids),
+        "digits": (order, p, shift, torch.full((F,), 11), order[:, 0] >> shift, 2048),
+        "shard_keys": (x, ids >= 0),
+    }
+
+
+KERNELS = {"masses": fused.masses, "best_kept": fused.best_kept, "reachable": fused.reachable,
+           "residual": fused.residual, "first_max": fused.first_max, "digits": fused.digits,
+           "shard_keys": shard_keys}
+
+
+def _same(a, b) -> bool:
+    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _ranks_job(world: int) -> dict:
+    """Every check on this rank, compiled: each pass at several shapes against eager (rank 0),
+    then at each world size 1..``world`` (subgroups of the first n ranks) the tokens of sample,
+    verify and the engine compiled, eager and (on the main process) the reference's."""
+    torch.manual_seed(0)
+    fused.MIN_ELEMENTS = 2  # compile every call, small ones included
+    out: dict = {"passes": {}, "tokens": {}}
+    with fused.compiling(True):
+        if comm.rank() == 0:
+            for F, R in ((5, 300), (1, 1000), (9, 7), (64, 513)):
+                for name, args in _pass_inputs(F, R, F + R).items():
+                    with fused.compiling(False):
+                        eager = KERNELS[name](*args)
+                    out["passes"][name, F, R] = _same(KERNELS[name](*args), eager)
+        g = torch.Generator().manual_seed(1)
+        full = torch.randn(B * (K + 1), V, generator=g) * 0.5
+        full[: B * (K + 1) // 2] *= 10
+        draft = torch.randn(B * K, V, generator=g) * 0.5
+        drafts = torch.randint(0, V, (B, K), generator=g)
+        pos = torch.arange(B) * 5
+        for n in range(1, world + 1):
+            group = dist.new_group(list(range(n)))
+            if comm.rank() >= n:
+                continue
+            layout = VocabLayout(V, n, scheme="uneven" if n % 2 else "padded", pad_to=16)
+            ids = layout.local_token_ids(comm.rank(group))
+            shard = lambda t, ids=ids: torch.where(ids >= 0, t[:, ids.clamp(min=0)], float("-inf"))  # noqa: E731
+            sampler = Sampler(layout, group=group, max_rows=B * (2 * K + 1))
+            for name, params in PARAMS.items():
+                p = dataclasses.replace(params, seed=list(range(7, 7 + B)))
+                batch = sampler.prepare(p, positions=pos)
+                target = shard(full).view(B, K + 1, -1)
+                drafted = shard(draft).view(B, K, -1)
+                got = {}
+                for mode in (True, False):
+                    with fused.compiling(mode):
+                        got[mode] = (
+                            sample(shard(full[:B]), layout, p, positions=pos, group=group).tokens,
+                            sampler.sample(shard(full[:B]), batch).tokens,
+                            verify(target, layout, p, drafts, positions=pos, draft_logits=drafted,
+                                   group=group).tokens,
+                            sampler.verify(target, batch, drafts, drafted).tokens)
+                out["tokens"][n, name] = (got[True], got[False])
+    out["compiled"] = sorted(fused.COMPILE_SECONDS)
+    out["broken"] = sorted(k for k, f in KERNELS.items() if f.broken)
+    out["graphs"] = {name: len(torch._dynamo.eval_frame._debug_get_cache_entry_list(f.fn.__code__))
+                     for name, f in KERNELS.items()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run(_ranks_job, 4, 4, timeout=300, run_timeout=900, threads_per_rank=1)
+
+
+def test_every_pass_compiled_gives_the_eager_bits(ranks):
+    passes = ranks[0]["passes"]
+    assert passes and all(passes.values()), [k for k, ok in passes.items() if not ok]
+    assert not ranks[0]["broken"]
+    assert {f.__name__ for f in KERNELS.values()} <= set(ranks[0]["compiled"])
+
+
+def test_each_pass_compiles_once_whatever_the_shapes(ranks):
+    """One graph per pass and calling convention: batch sizes, widths (1 included), world sizes
+    and parameters never recompile. ``digits`` runs dense with int shifts (engine), dense with
+    per-row shifts and on listed tokens (adaptive search); ``first_max`` takes ids per column
+    (``[R]``) or per entry (``[F, R]``, the engine's candidates)."""
+    conventions = {"digits": 3, "first_max": 2}
+    for rank in ranks:
+        assert all(count <= conventions.get(name, 1) for name, count in rank["graphs"].items()), \
+            str(rank["graphs"])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_tokens_compiled_equal_eager_and_the_reference_at_every_world_size(ranks, n):
+    g = torch.Generator().manual_seed(1)
+    full = torch.randn(B * (K + 1), V, generator=g) * 0.5
+    full[: B * (K + 1) // 2] *= 10
+    draft = torch.randn(B * K, V, generator=g) * 0.5
+    drafts = torch.randint(0, V, (B, K), generator=g)
+    pos = torch.arange(B) * 5
+    for name, params in PARAMS.items():
+        p = dataclasses.replace(params, seed=list(range(7, 7 + B)))
+        want_sample = reference_sample(full[:B], p, positions=pos).tokens
+        want_verify = reference_verify(full.view(B, K + 1, V), p, drafts, positions=pos,
+                                       draft_logits=draft.view(B, K, V)).tokens
+        for rank in ranks[:n]:
+            compiled, eager = rank["tokens"][n, name]
+            for got in (compiled, eager):
+                assert torch.equal(got[0], want_sample) and torch.equal(got[1], want_sample), (n, name)
+                assert torch.equal(got[2], want_verify) and torch.equal(got[3], want_verify), (n, name)
+
