@@ -58,20 +58,25 @@ def _pass_inputs(F: int, R: int, seed: int) -> dict[str, tuple]:
     q = fused.masses(x.flip(1), lower, t, min_z, z_max, V)
     shift = torch.randint(11, 33, (F,), generator=g)  # at least the 11 bits it reads
     order = torch.randint(0, 2**32, (F, R), generator=g)
+    per_token = (shift[:, None], torch.full((F, 1), 11), order[:, :1] >> shift[:, None])
+    listed = [t.expand(F, R).flatten().clone() for t in (order, p, *per_token)]  # copies, as the search lists
     return {
         "masses": (x, lower, t, min_z, z_max, V),
         "best_kept": (x, ids, lower, t, min_z, keys),
         "reachable": (x, ids, lower, t, min_z, z_max + 3.5, keys[:, 0].contiguous(), gumbel_bound()),
         "residual": (p, p.sum(1), q, q.sum(1).clamp(min=1), torch.arange(F), torch.arange(F), ids),
         "first_max": (x.double(), ids),
-        "digits": (order, p, shift, torch.full((F,), 11), order[:, 0] >> shift, 2048),
+        "histogram": (order, p, shift, torch.full((F,), 11), order[:, 0] >> shift, 2048),
+        "histogram ints": (order, p, 21, 11, order[:, 0] >> 21, 2048),
+        "members": (order, p, order[:, 0] - 2**30, order[:, 0] + 2**30),
+        "digits": (*listed, 2048),
         "shard_keys": (x, ids >= 0),
     }
 
 
 KERNELS = {"masses": fused.masses, "best_kept": fused.best_kept, "reachable": fused.reachable,
            "residual": fused.residual, "first_max": fused.first_max, "digits": fused.digits,
-           "shard_keys": shard_keys}
+           "histogram": fused.histogram, "members": fused.members, "shard_keys": shard_keys}
 
 
 def _same(a, b) -> bool:
@@ -91,8 +96,8 @@ def _ranks_job(world: int) -> dict:
             for F, R in ((5, 300), (1, 1000), (9, 7), (64, 513)):
                 for name, args in _pass_inputs(F, R, F + R).items():
                     with fused.compiling(False):
-                        eager = KERNELS[name](*args)
-                    out["passes"][name, F, R] = _same(KERNELS[name](*args), eager)
+                        eager = KERNELS[name.split()[0]](*args)
+                    out["passes"][name, F, R] = _same(KERNELS[name.split()[0]](*args), eager)
         g = torch.Generator().manual_seed(1)
         full = torch.randn(B * (K + 1), V, generator=g) * 0.5
         full[: B * (K + 1) // 2] *= 10
@@ -143,10 +148,10 @@ def test_every_pass_compiled_gives_the_eager_bits(ranks):
 
 def test_each_pass_compiles_once_whatever_the_shapes(ranks):
     """One graph per pass and calling convention: batch sizes, widths (1 included), world sizes
-    and parameters never recompile. ``digits`` runs dense with int shifts (engine), dense with
-    per-row shifts and on listed tokens (adaptive search); ``first_max`` takes ids per column
-    (``[R]``) or per entry (``[F, R]``, the engine's candidates)."""
-    conventions = {"digits": 3, "first_max": 2}
+    and parameters never recompile. ``histogram`` takes int shifts (engine) or per-row ones
+    (adaptive search); ``first_max`` ids per column (``[R]``) or per entry (``[F, R]``, the
+    engine's candidates)."""
+    conventions = {"histogram": 2, "first_max": 2}
     for rank in ranks:
         assert all(count <= conventions.get(name, 1) for name, count in rank["graphs"].items()), \
             str(rank["graphs"])

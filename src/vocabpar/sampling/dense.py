@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from vocabpar.sampling.fused import digits
+from vocabpar.sampling.fused import histogram as digit_histogram
 from vocabpar.sampling.ranks import Ranks
 from vocabpar.sampling.semantics import NEG_INF
 from vocabpar.wire.records import histogram
@@ -49,9 +49,8 @@ def threshold(keys: torch.Tensor, weight: torch.Tensor, need: torch.Tensor | Cal
     shift = 32
     for bits in ENGINE_SEARCH_BITS:
         top = 1 << bits  # the "above" column; the tokens below the bucket weigh nothing
-        column, added, _ = digits(keys, weight, shift, bits, prefix, top)
         hist = torch.zeros(rows, top + 1, dtype=torch.long, device=keys.device)
-        hist[:B].scatter_add_(1, column, added)
+        hist[:B] = digit_histogram(keys, weight, shift, bits, prefix, top)
         record = histogram(bits)
         got = record.unpack(ranks.sum(hist))
         counts, above = got.digits[:B], got.above[:B]

@@ -29,6 +29,9 @@ from vocabpar.sampling.semantics import NEG_INF, mass, residual_scores
 SWITCH = "VOCABPAR_COMPILE"
 MIN_ELEMENTS = 1 << 14
 _on = [os.environ.get(SWITCH, "1") != "0"]
+OPTIONS = {"emulate_precision_casts": True, "cpp.fallback_scatter_reduce_sum": False}
+"""Inductor settings: no fused multiply-add under Triton; integer scatter-adds generated in the
+loop that computes them (exact in any order) rather than handed to ATen."""
 COMPILE_SECONDS: dict[str, float] = {}
 """Per pass, the seconds its first compiled call took in this process (compilation included)."""
 
@@ -58,7 +61,7 @@ class Fused:
             return self.fn(*args)
         # no size specialises the compiled code, 0 and 1 included; so a pass never takes a size-1
         # dimension meant to broadcast: it adds it itself (``[:, None]``)
-        for t in tensors:
+        for t in tensors + [t._base for t in tensors if t._base is not None]:  # a view is guarded by its base
             for dim in range(t.dim()):
                 torch._dynamo.decorators.mark_unbacked(t, dim)
         if self.compiled is None:
@@ -68,8 +71,7 @@ class Fused:
     def _first(self, args: tuple[object, ...]) -> object:
         """Compile and run; on a compiler failure run eager from now on (a bad input raises
         from the eager run as it would without compilation)."""
-        self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True,
-                                      options={"emulate_precision_casts": True})
+        self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True, options=OPTIONS)
         start = time.perf_counter()
         try:
             out = self.compiled(*args)
@@ -156,18 +158,36 @@ def residual(p: torch.Tensor, p_total: torch.Tensor, q: torch.Tensor, q_total: t
     return _first_max(residual_scores(p, p_total, q, q_total, seed, positions, ids), ids)
 
 
-@Fused
-def digits(keys: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor | int, bits: torch.Tensor | int,
-           prefix: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _digits(keys: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor | int, bits: torch.Tensor | int,
+            prefix: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One histogram round's columns: per token, its digit of ``bits`` bits below ``shift`` when
     its key lies in the bucket ``prefix`` (``keys >> shift == prefix``), else ``top``; the weight
-    it adds (0 below the bucket); whether it is inside. ``keys``, ``weight``: int64 ``[F, R]``
-    (then ``shift``, ``bits``, ``prefix`` per row ``[F]``) or ``[N]`` (then per token ``[N]``);
-    ``shift`` and ``bits`` may be ints."""
-    if keys.dim() == 2:  # per row: broadcast here, never as a size-1 input (see Fused)
-        shift, bits, prefix = (v[:, None] if isinstance(v, torch.Tensor) else v
-                               for v in (shift, bits, prefix))
+    it adds (0 below the bucket); whether it is inside."""
     high = keys >> shift
     inside = high == prefix
     digit = torch.where(inside, (keys >> (shift - bits)) & ((1 << bits) - 1), top)
     return digit, torch.where(inside | (high > prefix), weight, 0), inside
+
+
+digits = Fused(_digits)
+""":func:`_digits` of listed tokens: every argument but ``top`` per token ``[N]``."""
+
+
+@Fused
+def histogram(keys: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor | int, bits: torch.Tensor | int,
+              prefix: torch.Tensor, top: int) -> torch.Tensor:
+    """int64 ``[F, top + 1]``: per row, the weight of each ``bits``-bit digit below ``shift`` of
+    the keys in the bucket ``prefix``, then (column ``top``) the weight above the bucket; one
+    pass, nothing ``[F, R]``-sized written. ``keys``, ``weight``: int64 ``[F, R]``; ``shift``,
+    ``bits``: ints or per row ``[F]``; ``prefix``: ``[F]``."""
+    per_row = (v[:, None] if isinstance(v, torch.Tensor) else v for v in (shift, bits, prefix))
+    column, added, _ = _digits(keys, weight, *per_row, top)
+    out = torch.zeros(keys.shape[0], top + 1, dtype=torch.long, device=keys.device)
+    return out.scatter_add_(1, column, added)
+
+
+@Fused
+def members(keys: torch.Tensor, weight: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """Bool ``[F, R]``: tokens with ``low <= key < high`` and a positive weight. ``keys``,
+    ``weight``: int64 ``[F, R]``; ``low``, ``high``: ``[F]``."""
+    return (keys >= low[:, None]) & (keys < high[:, None]) & (weight > 0)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vocabpar.sampling.fused import Fused, digits, reachable
+from vocabpar.sampling.fused import Fused, digits, histogram, members, reachable
 from vocabpar.sampling.noise import gumbel, gumbel_bound
 from vocabpar.sampling.ranks import Ranks
 from vocabpar.sampling.semantics import NEG_INF, key_value, merge_argmax, order_key, row_argmax
@@ -117,12 +117,12 @@ def threshold_search(u: torch.Tensor, weight: torch.Tensor | None, need: torch.T
     # rounds run on the tokens of the bucket and above only; when some row's bucket is the whole
     # key range, the first round runs on the shard in place instead of copying it out
     if bool((shift < 32).all()):  # host syncs here and below: branches every rank takes alike
-        r, col = ((u >= (prefix << shift)[:, None]) & (w > 0)).nonzero(as_tuple=True)
+        r, col = members(u, w, prefix << shift, torch.full_like(prefix, 2**33)).nonzero(as_tuple=True)
     else:
-        shift, prefix, above, total, need, keep = _histogram_round(u, w, torch.arange(F)[:, None], bits,
-                                                                   shift, prefix, above, total, need, ranks)
+        shift, prefix, above, total, need, _ = _histogram_round(u, w, None, bits, shift, prefix, above, total,
+                                                                need, ranks)
         rounds += 1
-        r, col = (keep & (w > 0)).nonzero(as_tuple=True)
+        r, col = members(u, w, prefix << shift, (prefix + 1) << shift).nonzero(as_tuple=True)
     key, wt = u[r, col], w[r, col]
     while True:
         bits = (shift - SETTLE_BITS).clamp(0, SEARCH_BITS)
@@ -183,15 +183,17 @@ def _settle(key, wt, r, col, shift, prefix, above, need, ranks: Ranks, draw: Dra
 def _histogram_round(key, wt, r, bits, shift, prefix, above, total, need, ranks: Ranks):
     """One all-reduce: per row, the weights of the ``2**bits`` digits below the bucket's prefix
     (and, in the first round, of everything above the bucket); keep the digit holding the
-    threshold. Returns the narrowed (shift, prefix, above), the total and ``need`` once known, and
-    which tokens stay in the bucket."""
+    threshold. ``key``, ``wt``: the tokens of rows ``r`` (``[N]``), or the whole shard (``[F,
+    columns]``, ``r`` None). Returns the narrowed (shift, prefix, above), the total and ``need``
+    once known, and which listed tokens stay in the bucket (None for the whole shard)."""
     F = prefix.shape[0]
-    top = 1 << SEARCH_BITS  # the "above" column of the record; below the bucket weighs nothing
-    per_row = (shift, bits, prefix) if key.dim() == 2 else (shift[r], bits[r], prefix[r])  # dense or listed
-    digit, weight, inside = digits(key, wt, *per_row, top)
-    words = HISTOGRAM.words()
-    hist = torch.zeros(F * words, dtype=torch.long).index_add_(0, (r * words + digit).reshape(-1),
-                                                               weight.reshape(-1))
+    top, words = 1 << SEARCH_BITS, HISTOGRAM.words()  # column top: above the bucket; below weighs nothing
+    keep = None
+    if r is None:
+        hist = histogram(key, wt, shift, bits, prefix, top)
+    else:
+        digit, weight, inside = digits(key, wt, shift[r], bits[r], prefix[r], top)
+        hist = torch.zeros(F * words, dtype=torch.long).index_add_(0, r * words + digit, weight)
     got = HISTOGRAM.unpack(ranks.sum(hist.view(F, words)))
     if total is None:
         total, above = got.digits.sum(1) + got.above, got.above
@@ -199,5 +201,6 @@ def _histogram_round(key, wt, r, bits, shift, prefix, above, total, need, ranks:
     suffix = got.digits.flip(1).cumsum(1).flip(1)  # suffix[d] = weight of digits >= d
     d = ((above[:, None] + suffix) >= need[:, None]).sum(1).clamp(min=1) - 1
     above = above + torch.where(d + 1 < top, suffix.gather(1, (d + 1).clamp(max=top - 1)[:, None])[:, 0], 0)
-    keep = inside & (digit == d[r])
+    if r is not None:
+        keep = inside & (digit == d[r])
     return shift - bits, (prefix << bits) | d, above, total, need, keep

@@ -284,12 +284,17 @@ class SampledRows:
         self.top_p_search: Search | None = None
         self.total_rows = self.draw_rows = 0
 
+    def rows_of(self, sel: torch.Tensor) -> torch.Tensor:
+        """This shard's logits of rows ``sel`` (sorted, distinct): ``x`` itself, not a copy, when
+        ``sel`` holds every row."""
+        return self.x if sel.numel() == self.x.shape[0] else self.x[sel]
+
     def kept(self, thr: torch.Tensor) -> torch.Tensor:
         """Bool ``[B, columns]``: this shard's tokens each row keeps (``x >= thr``, ``z >= min_z``)."""
         return (self.x >= thr[:, None]) & (self.x.double() / self.temperature[:, None] >= self.min_z[:, None])
 
     def draw_for(self, search: torch.Tensor) -> Draw:
-        return Draw(self.x[search], self.ids, self.temperature[search], self.min_z[search],
+        return Draw(self.rows_of(search), self.ids, self.temperature[search], self.min_z[search],
                     self.noise_keys[search], self.cand[search], self.cand_id[search], self.cand_z[search])
 
     def top_k_threshold(self) -> torch.Tensor:
@@ -312,7 +317,7 @@ class SampledRows:
             hi = value_key(torch.where(self.nothing_unsent, self.best, self.unsent_max)[search])
             draw = None if (self.rows.top_p[search] < 1).any() else self.draw_for(search)
             v, self.drawn[search], self.top_k_search = threshold_search(
-                shard_keys(self.x[search], self.ids >= 0), None, k[search], lo, hi, self.ranks, draw)
+                shard_keys(self.rows_of(search), self.ids >= 0), None, k[search], lo, hi, self.ranks, draw)
             kappa[search] = key_value(v - 2**31)
         return kappa
 
@@ -369,7 +374,7 @@ class SampledRows:
             folded, known, p = fold[search], target[search], self.rows.top_p[search]
             need = lambda measured: torch.where(folded, top_p_target(measured, p), known)  # noqa: E731
             v, self.drawn[search], self.top_p_search = threshold_search(
-                shard_keys(self.x[search], self.ids >= 0), q, need, lo, value_key(unsent_max[search]),
+                shard_keys(self.rows_of(search), self.ids >= 0), q, need, lo, value_key(unsent_max[search]),
                 self.ranks, self.draw_for(search))
             tau[search] = key_value(v - 2**31)
         return tau
@@ -387,8 +392,8 @@ class SampledRows:
 
     def _masses(self, sel: torch.Tensor, lower: torch.Tensor, min_z: torch.Tensor) -> torch.Tensor:
         """Masses of rows ``sel`` where ``x >= lower`` and ``z >= min_z`` (both ``[B]``)."""
-        return masses(self.x[sel], lower[sel].double(), self.temperature[sel], min_z[sel], self.z_max[sel],
-                      self.V)
+        return masses(self.rows_of(sel), lower[sel].double(), self.temperature[sel], min_z[sel],
+                      self.z_max[sel], self.V)
 
     def draw(self, tokens: torch.Tensor, thr: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
         """Gumbel-max over the kept tokens (``x >= thr``, ``z >= min_z``) of the ``wanted`` rows
@@ -407,7 +412,7 @@ class SampledRows:
         tokens[local] = arg[local]
         spread = (wanted & ~local & ~drawn).nonzero().flatten()
         if spread.numel():
-            r, col, z = contenders(self.x[spread], self.ids, thr[spread], t[spread], min_z[spread],
+            r, col, z = contenders(self.rows_of(spread), self.ids, thr[spread], t[spread], min_z[spread],
                                    floor_score[spread], self.noise_keys[spread])
             score, arg = gumbel_argmax(spread[r], self.ids[col], z, self.rows, self.positions, B)
             got = DRAW.unpack(self.ranks.gather(DRAW.pack(score=score[spread], id=arg[spread])))
