@@ -3,9 +3,12 @@
 Run: ``.venv/bin/python benchmarks/bench_sampling.py [--iters N] [--quick]``. For each configuration the
 three paths -- the functional ``sample()`` (adaptive), the engine ``Sampler`` (fixed script, no
 host read, its check folded in) and gather-then-sample -- run in the same processes on the same
-logits; ``reads`` counts host reads of device values per call (``vocabpar.host_reads``: each one a
-device synchronisation on a GPU); times are the slowest rank's mean per step,
-bytes are what one rank sends per step and ``coll`` the collectives per ``sample()`` call (comm
+logits, the first two with their local passes compiled (``vocabpar.sampling.fused``; the first
+call of each pass in each rank compiles it, in the warm-up, and ``compile s`` is that time) and
+eager (``VOCABPAR_COMPILE=0``: the same tokens, asserted); ``reads`` counts host reads of device
+values per call (``vocabpar.host_reads``: each one a device synchronisation on a GPU); times are
+the slowest rank's mean per step, bytes are what one rank sends per step and ``coll`` the
+collectives per ``sample()`` call (comm
 counters; the per-call agreement check is off, as in production -- it adds one 256-byte
 all-gather), and ``x floor`` divides by the floor: one local pass over the shard (row max) plus
 one all-gather of 16 bytes per row. Logit families: peaked = N(0, 5²); flat = N(0, 0.5²); zipf =
@@ -23,10 +26,10 @@ import torch
 from vocabpar import SamplingParams, VocabLayout, comm, sample
 from vocabpar.host_reads import counting
 from vocabpar.launch import run
-from vocabpar.sampling import Sampler
+from vocabpar.sampling import Sampler, fused
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import QUICK_HELP, measure, sized  # noqa: E402
+from common import QUICK_HELP, measure, seconds, sized  # noqa: E402
 
 B, V, N = sized((256, 129280, 4), (32, 8192, 2))
 
@@ -96,13 +99,18 @@ def _bench(iters: int) -> dict:
         functional = lambda local=local, p=p: sample(local, layout, p, positions=pos, check=False)  # noqa: E731
         engine = lambda local=local, batch=batch: sampler.sample(local, batch)  # noqa: E731
         assert torch.equal(functional().tokens, engine().tokens)
+        with fused.compiling(False):
+            assert torch.equal(functional().tokens, engine().tokens)
+            eager = {"sharded eager": seconds(functional, iters), "engine eager": seconds(engine, iters)}
         out[name] = {
             "floor": measure(lambda local=local: _floor(local), iters),
             "sharded": measure(functional, iters),
             "engine": measure(engine, iters),
+            **eager,
             "gather": measure(lambda local=local, q=params: _gather_then_sample(local, layout, q), iters),
             "reads": (_reads(functional), _reads(engine)),
         }
+    out["compile"] = dict(fused.COMPILE_SECONDS)
     return out
 
 
@@ -115,29 +123,38 @@ def main() -> None:
     print(f"B={B} V={V} ranks={N} gloo, FP32; time = slowest rank, mean of {args.iters} steps; "
           "bytes = sent per rank per step")
     head = f"{'config':<26}{'coll':>5}{'reads':>6}{'sharded ms':>11}{'gather ms':>11}{'speed-up':>9}" \
-           f"{'sharded B':>11}{'gather B':>12}{'bytes x':>9}{'sh/floor':>9}{'ga/floor':>9}"
+           f"{'sharded B':>11}{'gather B':>12}{'bytes x':>9}{'sh/floor':>9}{'ga/floor':>9}{'eager ms':>10}" \
+           f"{'eag/cmp':>8}"
     print("functional sample() (adaptive) vs gather-then-sample")
     print(head)
     for name in CONFIGS:
         t = {k: max(r[name][k][0] for r in per_rank) for k in ("floor", "sharded", "gather")}
+        eager = max(r[name]["sharded eager"] for r in per_rank)
         b = {k: per_rank[0][name][k][1] for k in ("sharded", "gather")}
         calls = max(r[name]["sharded"][2] for r in per_rank)
         reads = max(r[name]["reads"][0] for r in per_rank)
         print(f"{name:<26}{calls:>5}{reads:>6}{t['sharded'] * 1e3:>11.1f}{t['gather'] * 1e3:>11.1f}"
               f"{t['gather'] / t['sharded']:>8.1f}x"
               f"{b['sharded']:>11,}{b['gather']:>12,}{b['gather'] / max(b['sharded'], 1):>8.0f}x"
-              f"{t['sharded'] / t['floor']:>8.1f}x{t['gather'] / t['floor']:>8.1f}x")
+              f"{t['sharded'] / t['floor']:>8.1f}x{t['gather'] / t['floor']:>8.1f}x{eager * 1e3:>10.1f}"
+              f"{eager / t['sharded']:>7.1f}x")
     print("\nengine Sampler (fixed script, check folded in) vs the functional sample()")
     print(f"{'config':<26}{'coll':>5}{'reads':>6}{'engine ms':>10}{'engine B':>12}{'eng/floor':>10}"
-          f"{'eng/func':>9}")
+          f"{'eng/func':>9}{'eager ms':>10}{'eag/cmp':>8}")
     for name in CONFIGS:
         t = {k: max(r[name][k][0] for r in per_rank) for k in ("floor", "sharded", "engine")}
         calls = max(r[name]["engine"][2] for r in per_rank)
         reads = max(r[name]["reads"][1] for r in per_rank)
+        eager = max(r[name]["engine eager"] for r in per_rank)
         print(f"{name:<26}{calls:>5}{reads:>6}{t['engine'] * 1e3:>10.1f}{per_rank[0][name]['engine'][1]:>12,}"
-              f"{t['engine'] / t['floor']:>9.1f}x{t['engine'] / t['sharded']:>8.1f}x")
+              f"{t['engine'] / t['floor']:>9.1f}x{t['engine'] / t['sharded']:>8.1f}x{eager * 1e3:>10.1f}"
+              f"{eager / t['engine']:>7.1f}x")
     floor = max(r["greedy"]["floor"][0] for r in per_rank)
     print(f"floor (row max + all-gather of 16 B/row): {floor * 1e3:.1f} ms")
+    passes = sorted({p for r in per_rank for p in r["compile"]})
+    compile_s = {p: max(r["compile"].get(p, 0.0) for r in per_rank) for p in passes}
+    print(f"compile s (first call of each pass, slowest rank; {sum(compile_s.values()):.1f} s in all): "
+          + ", ".join(f"{p} {s:.1f}" for p, s in compile_s.items()))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,11 @@ target rows (and, with draft logits, the ``B·k`` draft rows), then a single-dev
 sampler on full probability tensors, as engines do. Times are the slowest rank's mean per step;
 bytes are what one rank sends per step and ``coll`` the collectives per call (comm counters).
 Target logits are N(0, 5²) (peaked); the draft's are the target's plus N(0, 1) noise; drafts are
-the draft's argmax (one-hot rows) or drawn from its distribution (draft-logit rows).
+the draft's argmax (one-hot rows) or drawn from its distribution (draft-logit rows). ``sample``:
+one :func:`vocabpar.sample` call over the same stacked rows (``B·(k+1)``, plus ``B·k`` with draft
+logits) and parameters, the yardstick for verification's local work; ``eager``: ``verify`` with
+its passes eager (``VOCABPAR_COMPILE=0``, same tokens, asserted); ``reads``: host reads of device
+values per call (``vocabpar.host_reads``).
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ from pathlib import Path
 
 import torch
 
-from vocabpar import SamplingParams, VocabLayout, comm, verify
+from vocabpar import SamplingParams, VocabLayout, comm, sample, verify
+from vocabpar.host_reads import counting
 from vocabpar.launch import run
+from vocabpar.sampling import fused
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import QUICK_HELP, measure, sized  # noqa: E402
+from common import QUICK_HELP, measure, seconds, sized  # noqa: E402
 
 B, V, N = sized((64, 129280, 4), (8, 8192, 2))
 
@@ -118,9 +124,23 @@ def _bench(iters: int, ks: list[int]) -> dict:
             def gathered(t=local_t, q=params, d=drafts, dl=dl):
                 return _gather_then_verify(t, dl, layout, q, d)
 
-            accepted = sharded().accepted.double().mean().item()
+            rows = [local_t.reshape(B * (k + 1), -1)] + ([] if dl is None else [dl.reshape(B * k, -1)])
+            stacked, stacked_params = torch.cat(rows), SamplingParams(**{**params.__dict__, "seed": 1})
+            stacked_pos = torch.arange(stacked.shape[0])
+
+            def sample_stacked(x=stacked, q=stacked_params, at=stacked_pos):
+                return sample(x, layout, q, positions=at, check=False)
+
+            result = sharded()
+            accepted = result.accepted.double().mean().item()
+            with counting() as reads:
+                sharded()
+            with fused.compiling(False):
+                assert torch.equal(sharded().tokens, result.tokens)
+                eager = seconds(sharded, iters)
             out[k, name] = {"sharded": measure(sharded, iters), "gather": measure(gathered, iters),
-                            "accepted": accepted}
+                            "sample": measure(sample_stacked, iters), "eager": eager,
+                            "reads": sum(reads.values()), "accepted": accepted}
     return out
 
 
@@ -133,18 +153,23 @@ def main() -> None:
     per_rank = run(_bench, N, args.iters, args.k, run_timeout=3600, timeout=600, threads_per_rank=1)
     print(f"B={B} V={V} ranks={N} gloo, FP32; time = slowest rank, mean of {args.iters} steps; "
           "bytes = sent per rank per step; accepted = mean drafts kept per row (sharded)")
-    print(f"{'k':>3} {'config':<27}{'coll':>5}{'sharded ms':>11}{'gather ms':>11}{'speed-up':>9}"
-          f"{'sharded B':>12}{'gather B':>14}{'bytes x':>9}{'accepted':>9}")
+    print(f"{'k':>3} {'config':<27}{'coll':>5}{'reads':>6}{'sharded ms':>11}{'gather ms':>11}{'speed-up':>9}"
+          f"{'sharded B':>12}{'gather B':>14}{'bytes x':>9}{'accepted':>9}{'sample ms':>10}{'v/sample':>9}"
+          f"{'eager ms':>10}{'eag/cmp':>8}")
     for k in args.k:
         for name in CONFIGS:
             r0 = per_rank[0][k, name]
-            t = {p: max(r[k, name][p][0] for r in per_rank) for p in ("sharded", "gather")}
+            t = {p: max(r[k, name][p][0] for r in per_rank) for p in ("sharded", "gather", "sample")}
+            eager = max(r[k, name]["eager"] for r in per_rank)
+            reads = max(r[k, name]["reads"] for r in per_rank)
             calls = max(r[k, name]["sharded"][2] for r in per_rank)
             gathered = max(r[k, name]["gather"][2] for r in per_rank)
-            print(f"{k:>3} {name:<27}{calls:>5}{t['sharded'] * 1e3:>11.1f}{t['gather'] * 1e3:>11.1f}"
+            print(f"{k:>3} {name:<27}{calls:>5}{reads:>6}{t['sharded'] * 1e3:>11.1f}"
+                  f"{t['gather'] * 1e3:>11.1f}"
                   f"{t['gather'] / t['sharded']:>8.1f}x{r0['sharded'][1]:>12,}{r0['gather'][1]:>14,}"
                   f"{r0['gather'][1] / max(r0['sharded'][1], 1):>8.0f}x{r0['accepted']:>9.2f}"
-                  f"   (gather: {gathered} coll)")
+                  f"{t['sample'] * 1e3:>10.1f}{t['sharded'] / t['sample']:>8.1f}x{eager * 1e3:>10.1f}"
+                  f"{eager / t['sharded']:>7.1f}x   (gather: {gathered} coll)")
 
 
 if __name__ == "__main__":

@@ -67,6 +67,18 @@ def fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def seconds(fn: Callable[[], object], iters: int) -> float:
+    """``fn``'s mean seconds per call on this rank over ``iters`` calls, each started together with
+    the other ranks, without a warm-up (for paths with nothing to warm, e.g. eager ones)."""
+    total = 0.0
+    for _ in range(iters):
+        comm.all_reduce(torch.zeros(1))  # barrier
+        start = time.perf_counter()
+        fn()
+        total += time.perf_counter() - start
+    return total / iters
+
+
 def measure(fn: Callable[[], object], iters: int) -> tuple[float, int, int]:
     """``fn``'s mean seconds per call on this rank over ``iters`` calls, each started together
     with the other ranks (a one-float all-reduce as barrier), after one warm-up; and the bytes
@@ -76,10 +88,4 @@ def measure(fn: Callable[[], object], iters: int) -> tuple[float, int, int]:
     fn()
     sent = comm.total_bytes()[0]
     calls = sum(c.calls for c in comm.traffic().values())
-    total = 0.0
-    for _ in range(iters):
-        comm.all_reduce(torch.zeros(1))  # barrier
-        start = time.perf_counter()
-        fn()
-        total += time.perf_counter() - start
-    return total / iters, sent, calls
+    return seconds(fn, iters), sent, calls

@@ -3,22 +3,26 @@
 
 A launch is an ATen operation that does work: views, allocations, metadata queries and the
 collectives themselves (priced apart) are left out; on a GPU each of the others is about one kernel
-launch or one small copy. Host reads are :func:`vocabpar.host_reads.counting`'s. Counts are per
+launch or one small copy. A fused pass (:mod:`vocabpar.sampling.fused`) counts as one launch,
+what it is compiled (the suite runs it eager: its inner operations are not counted). Host reads
+are :func:`vocabpar.host_reads.counting`'s. Counts are per
 call and do not depend on the batch size.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
+from collections.abc import Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from vocabpar import ParallelLMHead, SamplingParams, VocabLayout, comm, compute_logits, sample
 from vocabpar.collect import broadcast_tokens
 from vocabpar.host_reads import counting
 from vocabpar.plan import host
-from vocabpar.sampling import Sampler, verify
+from vocabpar.sampling import Sampler, fused, verify
 from vocabpar.sampling.scoring import token_logprobs
 
 FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "lift_fresh",
@@ -43,10 +47,27 @@ class Launches(TorchDispatchMode):
         return out
 
 
+@contextlib.contextmanager
+def _one_launch_per_pass(launches: Launches) -> Iterator[None]:
+    """Inside the block, each fused pass adds one launch and hides its inner operations."""
+    call = fused.Fused.__call__
+
+    def counted_call(self, *args):
+        launches.counts[f"fused {self.__name__}"] += 1
+        with _disable_current_modes():
+            return call(self, *args)
+
+    fused.Fused.__call__ = counted_call
+    try:
+        yield
+    finally:
+        fused.Fused.__call__ = call
+
+
 def counted(fn, *args, **kwargs) -> tuple[int, int]:
     """``(launches, host reads)`` of ``fn(*args, **kwargs)``."""
     launches = Launches()
-    with counting() as reads, launches:
+    with counting() as reads, launches, _one_launch_per_pass(launches):
         fn(*args, **kwargs)
     return sum(launches.counts.values()), sum(reads.values())
 

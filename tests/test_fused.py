@@ -58,6 +58,7 @@ def _pass_inputs(F: int, R: int, seed: int) -> dict[str, tuple]:
     q = fused.masses(x.flip(1), lower, t, min_z, z_max, V)
     shift = torch.randint(11, 33, (F,), generator=g)  # at least the 11 bits it reads
     order = torch.randint(0, 2**32, (F, R), generator=g)
+    zeros = torch.zeros(F, dtype=torch.long)
     per_token = (shift[:, None], torch.full((F, 1), 11), order[:, :1] >> shift[:, None])
     listed = [t.expand(F, R).flatten().clone() for t in (order, p, *per_token)]  # copies, as the search lists
     return {
@@ -69,14 +70,19 @@ def _pass_inputs(F: int, R: int, seed: int) -> dict[str, tuple]:
         "histogram": (order, p, shift, torch.full((F,), 11), order[:, 0] >> shift, 2048),
         "histogram ints": (order, p, 21, 11, order[:, 0] >> 21, 2048),
         "members": (order, p, order[:, 0] - 2**30, order[:, 0] + 2**30),
+        "logit_histogram units": (x, ids, lower, t, min_z, z_max, V, 32, 11, zeros, 2048, True),
+        "logit_histogram masses": (x, ids, lower, t, min_z, z_max, V, 21, 11, zeros + 1024, 2048, False),
         "digits": (*listed, 2048),
         "shard_keys": (x, ids >= 0),
+        "scored": tuple(t.clone() for t in (x.double().flatten(), keys.repeat_interleave(R, 0),
+                                            ids.clamp(min=0).repeat(F))),
     }
 
 
 KERNELS = {"masses": fused.masses, "best_kept": fused.best_kept, "reachable": fused.reachable,
            "residual": fused.residual, "first_max": fused.first_max, "digits": fused.digits,
-           "histogram": fused.histogram, "members": fused.members, "shard_keys": shard_keys}
+           "histogram": fused.histogram, "logit_histogram": fused.logit_histogram, "members": fused.members,
+           "scored": fused.scored, "shard_keys": shard_keys}
 
 
 def _same(a, b) -> bool:
@@ -89,7 +95,6 @@ def _ranks_job(world: int) -> dict:
     then at each world size 1..``world`` (subgroups of the first n ranks) the tokens of sample,
     verify and the engine compiled, eager and (on the main process) the reference's."""
     torch.manual_seed(0)
-    fused.MIN_ELEMENTS = 2  # compile every call, small ones included
     out: dict = {"passes": {}, "tokens": {}}
     with fused.compiling(True):
         if comm.rank() == 0:
@@ -148,10 +153,11 @@ def test_every_pass_compiled_gives_the_eager_bits(ranks):
 
 def test_each_pass_compiles_once_whatever_the_shapes(ranks):
     """One graph per pass and calling convention: batch sizes, widths (1 included), world sizes
-    and parameters never recompile. ``histogram`` takes int shifts (engine) or per-row ones
-    (adaptive search); ``first_max`` ids per column (``[R]``) or per entry (``[F, R]``, the
-    engine's candidates)."""
-    conventions = {"histogram": 2, "first_max": 2}
+    and parameters never recompile. Some passes have two calling conventions: ``best_kept`` and
+    ``first_max`` take a shard (ids per column) or merged candidates (ids per entry);
+    ``logit_histogram`` unit weights or masses (a static flag); ``histogram`` is run here with
+    int shifts too."""
+    conventions = {"histogram": 2, "first_max": 2, "logit_histogram": 2, "best_kept": 2}
     for rank in ranks:
         assert all(count <= conventions.get(name, 1) for name, count in rank["graphs"].items()), \
             str(rank["graphs"])

@@ -3,7 +3,7 @@
 
 Collectives are counted from the wire scripts; launches and host reads are counted from the code
 paths, measured by running them (``tests/host_probe.py``: every ATen operation that does work is
-a launch; a host read is a read of a device value or an op whose output size depends on the
+a launch, and so is each compiled pass of :mod:`vocabpar.sampling.fused`; a host read is a read of a device value or an op whose output size depends on the
 data, :mod:`vocabpar.host_reads`). ``tests/test_host_work.py`` measures vocabpar's own paths again
 and fails when a table below no longer matches the code. Counts are per call, independent of the
 batch size.
@@ -79,50 +79,50 @@ def sampler_key(temperature: float, top_k: int, top_p: float, min_p: float, voca
 K = SamplerKey
 FUNCTIONAL: dict[SamplerKey, HostWork] = {
     K(True): HostWork(107, 16, 107, 16),
-    K(False, "none", False, False): HostWork(862, 37, 862, 37),
-    K(False, "none", False, True): HostWork(576, 31, 858, 37),
-    K(False, "none", True, False): HostWork(680, 35, 1500, 68),
-    K(False, "none", True, True): HostWork(680, 35, 1500, 68),
-    K(False, "candidates", False, False): HostWork(588, 35, 870, 41),
-    K(False, "candidates", False, True): HostWork(588, 35, 870, 41),
-    K(False, "candidates", True, False): HostWork(674, 39, 1512, 72),
-    K(False, "candidates", True, True): HostWork(674, 39, 1512, 72),
-    K(False, "search", False, False): HostWork(1055, 56, 1389, 65),
-    K(False, "search", False, True): HostWork(1059, 56, 1393, 65),
-    K(False, "search", True, False): HostWork(882, 49, 1754, 85),
-    K(False, "search", True, True): HostWork(882, 49, 1754, 85),
+    K(False, "none", False, False): HostWork(416, 34, 416, 34),
+    K(False, "none", False, True): HostWork(370, 31, 412, 34),
+    K(False, "none", True, False): HostWork(460, 35, 808, 62),
+    K(False, "none", True, True): HostWork(460, 35, 808, 62),
+    K(False, "candidates", False, False): HostWork(382, 35, 424, 38),
+    K(False, "candidates", False, True): HostWork(382, 35, 424, 38),
+    K(False, "candidates", True, False): HostWork(462, 39, 820, 66),
+    K(False, "candidates", True, True): HostWork(462, 39, 820, 66),
+    K(False, "search", False, False): HostWork(628, 53, 709, 59),
+    K(False, "search", False, True): HostWork(632, 53, 713, 59),
+    K(False, "search", True, False): HostWork(621, 49, 1008, 79),
+    K(False, "search", True, True): HostWork(621, 49, 1008, 79),
 }
 """``vocabpar.sample`` on the shards, per key (the busiest rank: one holding padding)."""
 FUNCTIONAL_VERIFY: dict[tuple[SamplerKey, bool], HostWork] = {
     (K(True), False): HostWork(143, 20, 143, 20),
-    (K(False, "none", False, False), False): HostWork(891, 41, 891, 41),
-    (K(False, "none", False, False), True): HostWork(1500, 48, 1500, 48),
-    (K(False, "none", False, True), False): HostWork(613, 35, 895, 41),
-    (K(False, "none", False, True), True): HostWork(1222, 42, 1504, 48),
-    (K(False, "none", True, False), False): HostWork(717, 39, 1537, 72),
-    (K(False, "none", True, False), True): HostWork(1326, 46, 2146, 79),
-    (K(False, "none", True, True), False): HostWork(717, 39, 1537, 72),
-    (K(False, "none", True, True), True): HostWork(1326, 46, 2146, 79),
-    (K(False, "candidates", False, False), False): HostWork(625, 39, 907, 45),
-    (K(False, "candidates", False, False), True): HostWork(1234, 46, 1516, 52),
-    (K(False, "candidates", False, True), False): HostWork(625, 39, 907, 45),
-    (K(False, "candidates", False, True), True): HostWork(1234, 46, 1516, 52),
-    (K(False, "candidates", True, False), False): HostWork(711, 43, 1549, 76),
-    (K(False, "candidates", True, False), True): HostWork(1320, 50, 2158, 83),
-    (K(False, "candidates", True, True), False): HostWork(711, 43, 1549, 76),
-    (K(False, "candidates", True, True), True): HostWork(1320, 50, 2158, 83),
-    (K(False, "search", False, False), False): HostWork(1092, 60, 1426, 69),
-    (K(False, "search", False, False), True): HostWork(1701, 67, 2035, 76),
-    (K(False, "search", False, True), False): HostWork(1096, 60, 1430, 69),
-    (K(False, "search", False, True), True): HostWork(1705, 67, 2039, 76),
-    (K(False, "search", True, False), False): HostWork(919, 53, 1791, 89),
-    (K(False, "search", True, False), True): HostWork(1528, 60, 2400, 96),
-    (K(False, "search", True, True), False): HostWork(919, 53, 1791, 89),
-    (K(False, "search", True, True), True): HostWork(1528, 60, 2400, 96),
+    (K(False, "none", False, False), False): HostWork(445, 38, 445, 38),
+    (K(False, "none", False, False), True): HostWork(779, 42, 779, 42),
+    (K(False, "none", False, True), False): HostWork(407, 35, 449, 38),
+    (K(False, "none", False, True), True): HostWork(740, 39, 783, 42),
+    (K(False, "none", True, False), False): HostWork(497, 39, 845, 66),
+    (K(False, "none", True, False), True): HostWork(830, 43, 1179, 70),
+    (K(False, "none", True, True), False): HostWork(497, 39, 845, 66),
+    (K(False, "none", True, True), True): HostWork(830, 43, 1179, 70),
+    (K(False, "candidates", False, False), False): HostWork(419, 39, 461, 42),
+    (K(False, "candidates", False, False), True): HostWork(752, 43, 795, 46),
+    (K(False, "candidates", False, True), False): HostWork(419, 39, 461, 42),
+    (K(False, "candidates", False, True), True): HostWork(752, 43, 795, 46),
+    (K(False, "candidates", True, False), False): HostWork(499, 43, 857, 70),
+    (K(False, "candidates", True, False), True): HostWork(832, 47, 1191, 74),
+    (K(False, "candidates", True, True), False): HostWork(499, 43, 857, 70),
+    (K(False, "candidates", True, True), True): HostWork(832, 47, 1191, 74),
+    (K(False, "search", False, False), False): HostWork(665, 57, 746, 63),
+    (K(False, "search", False, False), True): HostWork(998, 61, 1080, 67),
+    (K(False, "search", False, True), False): HostWork(669, 57, 750, 63),
+    (K(False, "search", False, True), True): HostWork(1002, 61, 1084, 67),
+    (K(False, "search", True, False), False): HostWork(658, 53, 1045, 84),
+    (K(False, "search", True, False), True): HostWork(991, 57, 1379, 88),
+    (K(False, "search", True, True), False): HostWork(658, 53, 1045, 84),
+    (K(False, "search", True, True), True): HostWork(991, 57, 1379, 88),
 }
 """``vocabpar.sampling.verify`` on the shards, per key and whether draft logits come along (a
 greedy row ignores them)."""
-SCORE: dict[bool, tuple[int, int, int]] = {False: (90, 7, 1), True: (114, 7, 1)}
+SCORE: dict[bool, tuple[int, int, int]] = {False: (92, 7, 1), True: (118, 7, 1)}
 """``token_logprobs`` on one block of shards, without and with top-n lists: ``(launches, more
 launches per rank, host reads)`` (merging the gathered records takes a few ops per rank)."""
 COLLECT: dict[str, tuple[int, int, int]] = {
@@ -133,20 +133,20 @@ more launches per rank, host reads)``; the ids exchanges launch nothing but thei
 DP attention reads the exchanged row counts on the host."""
 ENGINE: dict[SamplerKey, HostWork] = {
     K(True): fixed(55, 0),
-    K(False, "none", False, False): fixed(405, 0), K(False, "none", False, True): fixed(409, 0),
-    K(False, "none", True, False): fixed(510, 0), K(False, "none", True, True): fixed(510, 0),
-    **{K(False, "candidates", p, m): fixed(409, 0) for p in (False, True) for m in (False, True)},
-    K(False, "search", False, False): fixed(492, 0), K(False, "search", False, True): fixed(496, 0),
-    K(False, "search", True, False): fixed(589, 0), K(False, "search", True, True): fixed(589, 0),
+    K(False, "none", False, False): fixed(377, 0), K(False, "none", False, True): fixed(381, 0),
+    K(False, "none", True, False): fixed(440, 0), K(False, "none", True, True): fixed(440, 0),
+    **{K(False, "candidates", p, m): fixed(381, 0) for p in (False, True) for m in (False, True)},
+    K(False, "search", False, False): fixed(427, 0), K(False, "search", False, True): fixed(431, 0),
+    K(False, "search", True, False): fixed(490, 0), K(False, "search", True, True): fixed(490, 0),
 }
 """``vocabpar.sampling.Sampler.sample`` on the shards, per key: the same launches whatever the
 logits (a fixed script of dense passes) and no host read; ``raise_if_failed``, the one read per
 step, is priced by the design's caller."""
 ENGINE_VERIFY_EXTRA = {(False, True): fixed(55, 0), (False, False): fixed(56, 0),
-                       (True, False): fixed(650, 0)}
+                       (True, False): fixed(383, 0)}
 """``Sampler.verify`` launches beyond its sampler call on the stacked rows, by (draft logits,
 greedy): stacking, acceptance and emission (55, one more when sampled); with draft logits, also
-the exact masses and the correction (650). The same whatever the logits; no host read."""
+the exact masses and the correction (383). The same whatever the logits; no host read."""
 DENSE: dict[SamplerKey, HostWork] = {
     K(True): fixed(2, 0),
     **{K(False, k, p, m): fixed(6 + 6 * (k != "none") + (8 if p and k == "none" else 6 * p) + 5 * m, int(m))

@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 import torch
 
-from vocabpar.sampling.fused import histogram as digit_histogram
 from vocabpar.sampling.ranks import Ranks
 from vocabpar.sampling.semantics import NEG_INF
 from vocabpar.wire.records import histogram
@@ -37,20 +36,20 @@ def top(x: torch.Tensor, ids: torch.Tensor, c: int) -> tuple[torch.Tensor, torch
     return vals, cand_id, ties
 
 
-def threshold(keys: torch.Tensor, weight: torch.Tensor, need: torch.Tensor | Callable, ranks: Ranks,
-              rows: int) -> torch.Tensor:
-    """Per row, the largest key ``v`` with ``sum(weight[keys >= v]) >= need`` over all ranks:
-    ``keys`` in ``[0, 2**32)`` (-1: not a token, weight 0), ``weight`` int64 ``[B, R]``;
-    ``need`` ``[B]``, or a function of the rows' total weight (measured by the first round).
-    Three histogram all-reduces of ``rows >= B`` rows each resolve 11, 11 and 10 bits of ``v``:
-    the same collectives whatever the keys hold."""
-    B = keys.shape[0]
-    prefix = torch.zeros(B, dtype=torch.long, device=keys.device)
+def threshold(local_histogram: Callable[[int, int, torch.Tensor, int], torch.Tensor], B: int,
+              need: torch.Tensor | Callable, ranks: Ranks, rows: int, device: torch.device) -> torch.Tensor:
+    """Per row, the largest key ``v`` with ``sum(weight[keys >= v]) >= need`` over all ranks, for
+    this shard's keys (order keys in ``[0, 2**32)``) and weights as ``local_histogram(shift, bits,
+    prefix, top)`` counts them (int64 ``[B, top + 1]``, e.g.
+    :func:`~vocabpar.sampling.fused.logit_histogram`); ``need`` ``[B]``, or a function of the
+    rows' total weight (measured by the first round). Three histogram all-reduces of ``rows >= B``
+    rows each resolve 11, 11 and 10 bits of ``v``: the same collectives whatever the keys hold."""
+    prefix = torch.zeros(B, dtype=torch.long, device=device)
     shift = 32
     for bits in ENGINE_SEARCH_BITS:
         top = 1 << bits  # the "above" column; the tokens below the bucket weigh nothing
-        hist = torch.zeros(rows, top + 1, dtype=torch.long, device=keys.device)
-        hist[:B] = digit_histogram(keys, weight, shift, bits, prefix, top)
+        hist = torch.zeros(rows, top + 1, dtype=torch.long, device=device)
+        hist[:B] = local_histogram(shift, bits, prefix, top)
         record = histogram(bits)
         got = record.unpack(ranks.sum(hist))
         counts, above = got.digits[:B], got.above[:B]

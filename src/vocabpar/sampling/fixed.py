@@ -18,11 +18,10 @@ import torch
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling.dense import threshold
 from vocabpar.sampling.failures import Failures
-from vocabpar.sampling.fused import best_kept, first_max, masses, residual
-from vocabpar.sampling.noise import gumbel, row_keys
+from vocabpar.sampling.fused import best_kept, logit_histogram, masses, residual
+from vocabpar.sampling.noise import row_keys
 from vocabpar.sampling.params import Rows
 from vocabpar.sampling.ranks import Ranks
-from vocabpar.sampling.search import shard_keys
 from vocabpar.sampling.semantics import (
     NEG_INF,
     PAD_KEY,
@@ -111,7 +110,7 @@ class Choice:
         3. the draw: Gumbel-max over the kept tokens, among the candidates when nothing is
            unsent, else one all-gather of each rank's best (score, id)."""
         V, B, c = self.vocab, self.x.shape[0], plan.candidates
-        n, x, real, sampled = ranks.n, self.x, self.real, self.sampled
+        n, x, sampled = ranks.n, self.x, self.sampled
         t = torch.where(sampled, rows.temperature, 1.0)
         z_max = torch.where(sampled, best / t, 0.0)
         min_z = min_p_threshold(z_max, rows.min_p)
@@ -129,16 +128,23 @@ class Choice:
         exact_k = topk & ((k <= c) | all_sent)
         kth = key_sorted.gather(1, (k - 1).clamp(0, max(n * c - 1, 0))[:, None])[:, 0]
         kappa = torch.where(exact_k, torch.where(kth == PAD_KEY, NEG_INF, key_value(kth)), NEG_INF)
-        keys = shard_keys(x, real) if plan.top_k_search or plan.top_p_search else None
+        ids, no_min = self.ids, torch.full_like(min_z, NEG_INF)
+
+        def counted(lower: torch.Tensor, pool_z: torch.Tensor, unit: bool):
+            """This shard's histogram of the tokens with ``x >= lower``, ``z >= pool_z``."""
+            return lambda shift, bits, prefix, top: logit_histogram(x, ids, lower, t, pool_z, z_max, V, shift,
+                                                                    bits, prefix, top, unit)
+
         if plan.top_k_search:
             large = topk & ~exact_k
-            v = threshold(keys, torch.where(large[:, None] & real, 1, 0), k, ranks, plan.rows)
+            v = threshold(counted(torch.where(large, no_min, float("inf")), no_min, True), B, k, ranks,
+                          plan.rows, x.device)
             kappa = torch.where(large, key_value(v - 2**31), kappa)
         # 2. top-p
         topp = sampled & (rows.top_p < 1)
         order = rows.filter_order
         pool = valid & top_p_pool(cand, cand_z, kappa[:, None], min_z[:, None], order)
-        cand_mass = torch.where(pool, mass(cand_z, z_max[:, None], V), 0)
+        cand_mass = masses(cand, kappa.double(), t, min_z if order == "vllm" else no_min, z_max, V)
         last = first.values[..., c - 1]  # [n, B]: each rank's c-th value
         sent_tied = ((first.values == last[..., None]) & (first.ids >= 0)).sum(2)
         tied = torch.where(unsent[:, None] & (last == kappa[None]), first.ties - sent_tied, 0).sum(0)
@@ -153,9 +159,10 @@ class Choice:
         tau = torch.where(topp & from_candidates, tau, NEG_INF)
         if plan.top_p_search:
             search = topp & ~from_candidates
-            pool_z = min_z if order == "vllm" else torch.full_like(min_z, NEG_INF)  # padding: mass 0
-            weight = masses(x, torch.where(search, kappa.double(), float("inf")), t, pool_z, z_max, V)
-            v = threshold(keys, weight, lambda measured: top_p_target(measured, rows.top_p), ranks, plan.rows)
+            pool_z = min_z if order == "vllm" else no_min
+            pooled = counted(torch.where(search, kappa.double(), float("inf")), pool_z, False)
+            v = threshold(pooled, B, lambda measured: top_p_target(measured, rows.top_p), ranks, plan.rows,
+                          x.device)
             tau = torch.where(search, key_value(v - 2**31), tau)
         self.thr = torch.maximum(kappa, tau)
         # 3. the draw
@@ -165,9 +172,8 @@ class Choice:
             got = DRAW.unpack(ranks.gather(padded(DRAW.pack(score=score, id=arg), plan.rows))[:, :B])
             _, drawn = merge_argmax(got.score, got.id)
         else:
-            keep = valid & (cand >= self.thr[:, None]) & (cand_z >= min_z[:, None])
-            noise = gumbel(row_keys(rows.seed, positions)[:, None, :], cand_id.clamp(min=0))
-            _, drawn = first_max(torch.where(keep, cand_z + noise, NEG_INF), torch.where(keep, cand_id, -1))
+            # the same pass over the merged candidates (ids per entry): z = cand / t is cand_z
+            _, drawn = best_kept(cand, cand_id, self.thr.double(), t, min_z, row_keys(rows.seed, positions))
         return self.settle(torch.where(sampled, drawn, self.tokens))
 
 

@@ -8,8 +8,9 @@ C++, ``emulate_precision_casts`` for Triton). Each pass compiles once per proces
 dimension dynamic (unbacked, so sizes 0 and 1 do not specialise it): changing the batch, the
 positions or the parameters never recompiles; Inductor's on-disk cache serves later processes.
 ``VOCABPAR_COMPILE=0`` (or :func:`compiling`) runs everything eager; a pass whose compilation
-fails warns once and runs eager. Inputs under :data:`MIN_ELEMENTS`, and empty ones, run eager: a
-compiled call's fixed overhead would not pay off (so compiled code never sees an empty tensor).
+fails warns once and runs eager. Empty inputs run eager (compiled code never sees a size 0).
+Small inputs run compiled too: a compiled call costs tens of microseconds, the eager ``log`` of
+:mod:`vocabpar.exactmath` alone some thirty operations.
 """
 
 from __future__ import annotations
@@ -24,10 +25,9 @@ from collections.abc import Callable, Iterator
 import torch
 
 from vocabpar.sampling.noise import gumbel, gumbel_bucket
-from vocabpar.sampling.semantics import NEG_INF, mass, residual_scores
+from vocabpar.sampling.semantics import NEG_INF, mass, order_key, residual_scores
 
 SWITCH = "VOCABPAR_COMPILE"
-MIN_ELEMENTS = 1 << 14
 _on = [os.environ.get(SWITCH, "1") != "0"]
 OPTIONS = {"emulate_precision_casts": True, "cpp.fallback_scatter_reduce_sum": False}
 """Inductor settings: no fused multiply-add under Triton; integer scatter-adds generated in the
@@ -56,8 +56,7 @@ class Fused:
     def __call__(self, *args: object) -> object:
         args = tuple(_dense(a) if isinstance(a, torch.Tensor) else a for a in args)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        sizes = [t.numel() for t in tensors if t.dim()]
-        if not _on[0] or self.broken or max(sizes) < MIN_ELEMENTS or min(sizes) == 0:
+        if not _on[0] or self.broken or any(t.numel() == 0 for t in tensors):
             return self.fn(*args)
         # no size specialises the compiled code, 0 and 1 included; so a pass never takes a size-1
         # dimension meant to broadcast: it adds it itself (``[:, None]``)
@@ -111,8 +110,9 @@ def best_kept(x: torch.Tensor, ids: torch.Tensor, lower: torch.Tensor, temperatu
               min_z: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row the Gumbel-max over the kept tokens (``x >= lower``, ``z = x / t >= min_z``): the
     best ``z + G`` (float64 ``[F]``, -inf if none) and the lowest id reaching it (-1 if none).
-    ``x``: float32 ``[F, R]``; ``ids``: ``[R]`` (-1: padding, never kept); ``keys``: ``[F, 2]``;
-    the rest float64 ``[F]``."""
+    ``x``: float32 ``[F, R]`` with ``ids`` ``[R]`` (a shard), or float64 with ids per entry
+    ``[F, R]`` (merged candidates); -1: padding, never kept; ``keys``: ``[F, 2]``; the rest
+    float64 ``[F]``."""
     z = x.double() / temperature[:, None]
     kept = (x >= lower[:, None]) & (z >= min_z[:, None]) & (ids >= 0)
     score = torch.where(kept, z + gumbel(keys[:, None, :], ids.clamp(min=0)), NEG_INF)
@@ -132,6 +132,13 @@ def _first_max(score: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 first_max = Fused(_first_max)
+
+
+@Fused
+def scored(z: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``z + G`` (float64 ``[N]``) of listed tokens: ``z`` float64 ``[N]``, their rows' noise
+    ``keys`` ``[N, 2]`` and ``ids`` ``[N]``."""
+    return z + gumbel(keys, ids)
 
 
 @Fused
@@ -183,6 +190,24 @@ def histogram(keys: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor | in
     per_row = (v[:, None] if isinstance(v, torch.Tensor) else v for v in (shift, bits, prefix))
     column, added, _ = _digits(keys, weight, *per_row, top)
     out = torch.zeros(keys.shape[0], top + 1, dtype=torch.long, device=keys.device)
+    return out.scatter_add_(1, column, added)
+
+
+@Fused
+def logit_histogram(x: torch.Tensor, ids: torch.Tensor, lower: torch.Tensor, temperature: torch.Tensor,
+                    min_z: torch.Tensor, z_max: torch.Tensor, vocab_size: int, shift: int, bits: int,
+                    prefix: torch.Tensor, top: int, unit: bool) -> torch.Tensor:
+    """:func:`histogram` of this shard's order keys weighted by 1 (``unit``) or by the exact mass
+    of each token with ``x >= lower`` and ``z = x / t >= min_z`` (0 elsewhere), computed from the
+    logits in the same loop: one read of ``x`` per round, nothing ``[F, R]``-sized written.
+    ``x``: float32 ``[F, R]``; ``ids``: ``[R]`` (-1: padding, weight 0); ``prefix`` and the
+    rest per row ``[F]``."""
+    keys = torch.where(ids >= 0, order_key(x) + 2**31, -1)
+    z = x.double() / temperature[:, None]
+    kept = (x >= lower[:, None]) & (z >= min_z[:, None]) & (ids >= 0)
+    weight = torch.where(kept, 1 if unit else mass(z, z_max[:, None], vocab_size), 0)
+    column, added, _ = _digits(keys, weight, shift, bits, prefix[:, None], top)
+    out = torch.zeros(x.shape[0], top + 1, dtype=torch.long, device=x.device)
     return out.scatter_add_(1, column, added)
 
 

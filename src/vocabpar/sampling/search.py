@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vocabpar.sampling.fused import Fused, digits, histogram, members, reachable
-from vocabpar.sampling.noise import gumbel, gumbel_bound
+from vocabpar.sampling.fused import Fused, digits, histogram, members, reachable, scored
+from vocabpar.sampling.noise import gumbel_bound
 from vocabpar.sampling.ranks import Ranks
 from vocabpar.sampling.semantics import NEG_INF, key_value, merge_argmax, order_key, row_argmax
 from vocabpar.wire.records import HISTOGRAM, SEARCH_BITS, SETTLE_BITS, SETTLE_TOKENS, settle
@@ -81,14 +81,14 @@ class Draw:
         sure = (self.cand_id >= 0) & (self.cand >= thr[:, None]) & (self.cand_z >= self.min_z[:, None])
         b, j = sure.nonzero(as_tuple=True)
         sure_ids = self.cand_id[b, j]
-        floor, _ = row_argmax(b, sure_ids, self.cand_z[b, j] + gumbel(self.keys[b], sure_ids), F)
+        floor, _ = row_argmax(b, sure_ids, scored(self.cand_z[b, j], self.keys[b], sure_ids), F)
         r, col, z = contenders(self.x, self.ids, thr, self.temperature, self.min_z, floor, self.keys)
-        return row_argmax(r, self.ids[col], z + gumbel(self.keys[r], self.ids[col]), F)
+        return row_argmax(r, self.ids[col], scored(z, self.keys[r], self.ids[col]), F)
 
     def score(self, r: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
         """``z + G`` of the listed tokens, -inf where min-p drops them."""
         z = self.x[r, col].double() / self.temperature[r]
-        return torch.where(z >= self.min_z[r], z + gumbel(self.keys[r], self.ids[col]), NEG_INF)
+        return torch.where(z >= self.min_z[r], scored(z, self.keys[r], self.ids[col]), NEG_INF)
 
 
 def threshold_search(u: torch.Tensor, weight: torch.Tensor | None, need: torch.Tensor | Callable,

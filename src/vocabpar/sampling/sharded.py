@@ -44,7 +44,7 @@ import torch
 
 from vocabpar import comm
 from vocabpar.layout import VocabLayout
-from vocabpar.sampling.fused import masses
+from vocabpar.sampling.fused import masses, scored
 from vocabpar.sampling.noise import row_keys
 from vocabpar.sampling.params import Rows, SamplingParams, TokenCounts, check_sample_inputs, on_device
 from vocabpar.sampling.ranks import Ranks, agreed, group_ranks, params_fact
@@ -56,15 +56,13 @@ from vocabpar.sampling.semantics import (
     SampleOutput,
     check_rows,
     drawn_logits,
-    gumbel_argmax,
     key_value,
-    mass,
     mass_shift,
     merge_argmax,
     min_p_threshold,
     order_key,
     processed_logits,
-    top_p_pool,
+    row_argmax,
     top_p_target,
     with_logprobs,
 )
@@ -334,8 +332,8 @@ class SampledRows:
         topp = self.sampled & (self.rows.top_p < 1)
         if not topp.any():
             return tau
-        pool = self.valid & top_p_pool(cand, self.cand_z, kappa[:, None], min_z[:, None], order)
-        cand_mass = torch.where(pool, mass(self.cand_z, z_max[:, None], V), 0)
+        pool_z = min_z if order == "vllm" else torch.full_like(min_z, NEG_INF)
+        cand_mass = masses(cand, kappa.double(), t, pool_z, z_max, V)  # the pool's (padding: -inf, mass 0)
         total = cand_mass.sum(1)
         complete = self.nothing_unsent | (kappa > unsent_max)  # unsent tokens are <= unsent_max
         if order == "vllm":  # no unsent token passes min-p
@@ -407,14 +405,15 @@ class SampledRows:
         # the kept candidates' best score: exact where `local`, a lower bound on the winner elsewhere
         keep = self.valid & wanted[:, None] & (self.cand >= thr[:, None]) & (self.cand_z >= min_z[:, None])
         b, j = keep.nonzero(as_tuple=True)
-        floor_score, arg = gumbel_argmax(b, self.cand_id[b, j], self.cand_z[b, j], self.rows, self.positions,
-                                         B)
+        ids = self.cand_id[b, j]
+        floor_score, arg = row_argmax(b, ids, scored(self.cand_z[b, j], self.noise_keys[b], ids), B)
         tokens[local] = arg[local]
         spread = (wanted & ~local & ~drawn).nonzero().flatten()
         if spread.numel():
             r, col, z = contenders(self.rows_of(spread), self.ids, thr[spread], t[spread], min_z[spread],
                                    floor_score[spread], self.noise_keys[spread])
-            score, arg = gumbel_argmax(spread[r], self.ids[col], z, self.rows, self.positions, B)
+            rows, ids = spread[r], self.ids[col]
+            score, arg = row_argmax(rows, ids, scored(z, self.noise_keys[rows], ids), B)
             got = DRAW.unpack(self.ranks.gather(DRAW.pack(score=score[spread], id=arg[spread])))
             _, tokens[spread] = merge_argmax(got.score, got.id)
             self.draw_rows = spread.numel()
