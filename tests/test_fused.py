@@ -154,10 +154,11 @@ def test_every_pass_compiled_gives_the_eager_bits(ranks):
 def test_each_pass_compiles_once_whatever_the_shapes(ranks):
     """One graph per pass and calling convention: batch sizes, widths (1 included), world sizes
     and parameters never recompile. Some passes have two calling conventions: ``best_kept`` and
-    ``first_max`` take a shard (ids per column) or merged candidates (ids per entry);
+    ``first_max`` take a shard (ids per column) or merged candidates (ids per entry), ``masses``
+    a float32 shard or float64 candidates;
     ``logit_histogram`` unit weights or masses (a static flag); ``histogram`` is run here with
     int shifts too."""
-    conventions = {"histogram": 2, "first_max": 2, "logit_histogram": 2, "best_kept": 2}
+    conventions = {"histogram": 2, "first_max": 2, "logit_histogram": 2, "best_kept": 2, "masses": 2}
     for rank in ranks:
         assert all(count <= conventions.get(name, 1) for name, count in rank["graphs"].items()), \
             str(rank["graphs"])

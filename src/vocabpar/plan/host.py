@@ -3,10 +3,10 @@
 
 Collectives are counted from the wire scripts; launches and host reads are counted from the code
 paths, measured by running them (``tests/host_probe.py``: every ATen operation that does work is
-a launch, and so is each compiled pass of :mod:`vocabpar.sampling.fused`; a host read is a read of a device value or an op whose output size depends on the
-data, :mod:`vocabpar.host_reads`). ``tests/test_host_work.py`` measures vocabpar's own paths again
-and fails when a table below no longer matches the code. Counts are per call, independent of the
-batch size.
+a launch, and so is each compiled pass of :mod:`vocabpar.sampling.fused`; a host read is a read
+of a device value or an op whose output size depends on the data, :mod:`vocabpar.host_reads`).
+``tests/test_host_work.py`` measures vocabpar's own paths again and fails when a table below no
+longer matches the code. Counts are per call, independent of the batch size.
 
 Each design names the sampler it runs (:attr:`vocabpar.plan.Design.sampler`):
 

@@ -60,7 +60,7 @@ class Fused:
             return self.fn(*args)
         # no size specialises the compiled code, 0 and 1 included; so a pass never takes a size-1
         # dimension meant to broadcast: it adds it itself (``[:, None]``)
-        for t in tensors + [t._base for t in tensors if t._base is not None]:  # a view is guarded by its base
+        for t in tensors:
             for dim in range(t.dim()):
                 torch._dynamo.decorators.mark_unbacked(t, dim)
         if self.compiled is None:
@@ -85,13 +85,14 @@ class Fused:
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with row-major strides (a copy only if it has others, e.g. a column of a matrix):
-    compiled code is specialised on the stride pattern."""
+    """``t`` with row-major strides (a copy only if it has others, e.g. a column of a matrix) and
+    no view base (``detach`` shares the storage): compiled code is specialised on the stride
+    pattern and on whether a tensor is a view."""
     expected, step = [], 1
     for size in reversed(t.shape):
         expected.insert(0, step)
         step *= size
-    return t if list(t.stride()) == expected else t.clone(memory_format=torch.contiguous_format)
+    return t.detach() if list(t.stride()) == expected else t.clone(memory_format=torch.contiguous_format)
 
 
 # ---------------------------------------------------------------------- the passes

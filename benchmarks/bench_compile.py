@@ -1,0 +1,79 @@
+"""What compiling the sampler's local passes costs a process: the first calls, cold and with
+Inductor's on-disk cache, and whether later batches recompile.
+
+Run: ``.venv/bin/python benchmarks/bench_compile.py``. Each case runs in a fresh Python process
+(one rank, V=129280, a [B, V/4] shard as one of four ranks would hold): the first ``sample()``
+call with every filter that compiles a pass (top-k 1000, then top-p 0.9 on flat rows, then
+speculative verification with draft logits), the first engine ``Sampler`` call, then the same
+calls at other batch sizes (B = 1, 7, 64: any recompilation would show here and in the graph
+count). ``cold``: an empty Inductor cache directory; ``warm``: the same directory again, as a
+restarted server finds it. Times are wall seconds on this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+V, SHARD = 129280, 129280 // 4
+
+
+def _child() -> None:
+    import torch
+
+    from vocabpar import SamplingParams, VocabLayout, sample, verify
+    from vocabpar.sampling import Sampler, fused
+
+    layout = VocabLayout(SHARD, 1)
+    out: dict = {}
+
+    def calls(B: int) -> None:
+        g = torch.Generator().manual_seed(B)
+        flat = torch.randn(B, SHARD, generator=g) * 0.5
+        pos = torch.arange(B)
+        for params in (SamplingParams(top_k=1000, seed=1), SamplingParams(top_p=0.9, seed=1)):
+            sample(flat, layout, params, positions=pos)
+            sampler = Sampler(layout, max_rows=3 * B)
+            sampler.sample(flat, sampler.prepare(params, positions=pos))
+        target = torch.randn(B, 2, SHARD, generator=g) * 0.5
+        verify(target, layout, SamplingParams(top_p=0.9, seed=1), torch.zeros(B, 1, dtype=torch.long),
+               positions=pos, draft_logits=target[:, :1] + 0.1)
+
+    for B in (256, 1, 7, 64):
+        start = time.perf_counter()
+        calls(B)
+        out[f"B={B}"] = time.perf_counter() - start
+    out["passes"] = dict(fused.COMPILE_SECONDS)
+    out["graphs"] = {name: len(torch._dynamo.eval_frame._debug_get_cache_entry_list(f.fn.__code__))
+                     for name, f in vars(fused).items() if isinstance(f, fused.Fused)}
+    print(json.dumps(out))
+
+
+def _run(cache: str, compile_on: bool) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "VOCABPAR_COMPILE": "1" if compile_on else "0"}
+    done = subprocess.run([sys.executable, __file__, "--child"], env=env, capture_output=True, text=True,
+                          check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as cache:
+        rows = {"cold": _run(cache, True), "warm": _run(cache, True), "eager": _run(cache, False)}
+    print(f"one process, [B, {SHARD}] FP32 shard of V={V}; per batch size: top-k 1000 and top-p 0.9 through "
+          "sample() and the engine Sampler, then verify with draft logits (seconds, wall)")
+    print(f"{'run':<7}{'B=256 (first)':>14}{'B=1':>8}{'B=7':>8}{'B=64':>8}  compiled passes")
+    for name, r in rows.items():
+        graphs = ", ".join(f"{k} {v}" for k, v in sorted(r["graphs"].items()) if v) or "-"
+        print(f"{name:<7}{r['B=256']:>14.1f}{r['B=1']:>8.2f}{r['B=7']:>8.2f}{r['B=64']:>8.2f}  {graphs}")
+    for name in ("cold", "warm"):
+        passes = rows[name]["passes"]
+        print(f"{name} first call per pass (s, {sum(passes.values()):.1f} in all): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in sorted(passes.items())))
+
+
+if __name__ == "__main__":
+    _child() if "--child" in sys.argv else main()
