@@ -29,6 +29,7 @@ from vocabpar.host_reads import counting
 from vocabpar.integrations.decode import AUTO, can_verify
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling import SamplingParams
+from vocabpar.sampling.fused import SWITCH, compiling
 from vocabpar.wire.strategies import STRATEGIES
 
 MODELS = ("gpt2", "llama", "qwen2")
@@ -283,7 +284,15 @@ def rank_main(model_name: str, prompts: list[list[int]], tokens: int, progress: 
               group: comm.ProcessGroup = None) -> list[dict]:
     """On each rank of ``group``: every design generates in every mode it supports; per design,
     per mode what this rank measured (tokens, the ids fed per step, seconds, bytes received and
-    collectives per step by kind, weight bytes, peak RSS, the draft acceptance rate)."""
+    collectives per step by kind, weight bytes, peak RSS, the draft acceptance rate). The
+    sampler's passes run eager unless ``VOCABPAR_COMPILE=1``: a few rows per step, eleven
+    compilations per process would cost more than they save."""
+    with compiling(os.environ.get(SWITCH) == "1"):
+        return _generate_all(model_name, prompts, tokens, progress, group)
+
+
+def _generate_all(model_name: str, prompts: list[list[int]], tokens: int, progress: bool,
+                  group: comm.ProcessGroup) -> list[dict]:
     from vocabpar.integrations.hf import parallelize
 
     out, todo = [], designs()
