@@ -19,7 +19,8 @@ import torch
 
 EXPECTED_S: dict[str, tuple[float, float]] = {
     "bench_embedding": (90, 10), "bench_head": (120, 10), "bench_sampling": (150, 12),
-    "bench_verify": (240, 9), "bench_logprobs": (240, 8), "bench_compile": (180, 180)}
+    "bench_verify": (240, 9), "bench_logprobs": (240, 8), "bench_compile": (180, 180),
+    "bench_passes": (120, 20)}
 """Seconds each script takes on a shared 2-core machine: (full, --quick); the --quick ones
 measured, the full ones rough. The estimate scales them by how fast the finished scripts ran."""
 

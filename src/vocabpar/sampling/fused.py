@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from vocabpar.sampling.noise import gumbel, gumbel_bucket
-from vocabpar.sampling.semantics import NEG_INF, mass, order_key, residual_scores
+from vocabpar.sampling.noise import gumbel, gumbel_bucket, row_keys
+from vocabpar.sampling.semantics import NEG_INF, keyed_residual_scores, mass, order_key
 
 SWITCH = "VOCABPAR_COMPILE"
 _on = [os.environ.get(SWITCH, "1") != "0"]
@@ -156,14 +156,19 @@ def reachable(x: torch.Tensor, ids: torch.Tensor, lower: torch.Tensor, temperatu
     return kept & (z + bound[gumbel_bucket(key[:, None], ids.clamp(min=0))] >= floor[:, None])
 
 
-@Fused
+residual_pass = Fused(keyed_residual_scores)
+""":func:`~vocabpar.sampling.semantics.keyed_residual_scores` as one pass (``p``, ``q`` int64
+``[F, R]``; totals ``[F]``, keys ``[F, 2]``; ``ids`` ``[R]``): the rows' keys are hashed
+outside it, once per row (inlined per token, they made the pass take a minute to compile)."""
+
+
 def residual(p: torch.Tensor, p_total: torch.Tensor, q: torch.Tensor, q_total: torch.Tensor,
              seed: torch.Tensor, positions: torch.Tensor,
              ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The correction's Gumbel-max from ``(p - q)+`` per row
-    (:func:`~vocabpar.sampling.semantics.residual_scores` then :func:`first_max`): ``p``, ``q``
-    int64 ``[F, R]``; totals, seeds and positions ``[F]``; ``ids`` ``[R]``."""
-    return _first_max(residual_scores(p, p_total, q, q_total, seed, positions, ids), ids)
+    """The correction's Gumbel-max from ``(p - q)+`` per row: the scores' pass, then
+    :func:`first_max` (two passes compile in a fraction of the time one fused pass takes)."""
+    keys = row_keys(seed, positions, "residual")
+    return first_max(residual_pass(p, p_total, q, q_total, keys, ids), ids)
 
 
 def _digits(keys: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor | int, bits: torch.Tensor | int,

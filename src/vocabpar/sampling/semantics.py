@@ -258,6 +258,12 @@ def residual_scores(p: torch.Tensor, p_total: torch.Tensor, q: torch.Tensor, q_t
     (``[F]`` totals, seeds and positions) and token (``[F, columns]`` masses, ``ids``), float64
     ``log(p - q) + G`` where ``p > q``, else -inf. The noise is its own stream, independent of the
     sampler's and of the draft's."""
+    return keyed_residual_scores(p, p_total, q, q_total, row_keys(seed, positions, "residual"), ids)
+
+
+def keyed_residual_scores(p: torch.Tensor, p_total: torch.Tensor, q: torch.Tensor, q_total: torch.Tensor,
+                          keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """:func:`residual_scores` given the rows' noise ``keys`` ``[F, 2]`` (residual stream)."""
     r = p.double() / p_total.double()[:, None] - q.double() / q_total.double()[:, None]
-    noise = gumbel(row_keys(seed, positions, "residual")[:, None, :], ids.clamp(min=0))
+    noise = gumbel(keys[:, None, :], ids.clamp(min=0))
     return torch.where(r > 0, exactmath.log(r.clamp(min=1e-300)) + noise, NEG_INF)
