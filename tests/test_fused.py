@@ -68,6 +68,7 @@ def _pass_inputs(F: int, R: int, seed: int) -> dict[str, tuple]:
         "best_kept": (x, ids, lower, t, min_z, keys),
         "reachable": (x, ids, lower, t, min_z, z_max + 3.5, keys[:, 0].contiguous(), gumbel_bound()),
         "residual_pass": (p, p.sum(1), q, q.sum(1).clamp(min=1), keys, ids),
+        "residual_keys": (torch.arange(F) * 7, torch.arange(F) + 3),
         "first_max": (x.double(), ids),
         "histogram": (order, p, shift, torch.full((F,), 11), order[:, 0] >> shift, 2048),
         "histogram ints": (order, p, 21, 11, order[:, 0] >> 21, 2048),
@@ -82,7 +83,8 @@ def _pass_inputs(F: int, R: int, seed: int) -> dict[str, tuple]:
 
 
 KERNELS = {"masses": fused.masses, "best_kept": fused.best_kept, "reachable": fused.reachable,
-           "residual_pass": fused.residual_pass, "first_max": fused.first_max, "digits": fused.digits,
+           "residual_pass": fused.residual_pass, "residual_keys": fused.residual_keys,
+           "first_max": fused.first_max, "digits": fused.digits,
            "histogram": fused.histogram, "logit_histogram": fused.logit_histogram, "members": fused.members,
            "scored": fused.scored, "shard_keys": shard_keys}
 

@@ -96,29 +96,29 @@ FUNCTIONAL: dict[SamplerKey, HostWork] = {
 FUNCTIONAL_VERIFY: dict[tuple[SamplerKey, bool], HostWork] = {
     (K(True), False): HostWork(143, 20, 143, 20),
     (K(False, "none", False, False), False): HostWork(445, 38, 445, 38),
-    (K(False, "none", False, False), True): HostWork(779, 42, 779, 42),
+    (K(False, "none", False, False), True): HostWork(781, 42, 781, 42),
     (K(False, "none", False, True), False): HostWork(407, 35, 449, 38),
-    (K(False, "none", False, True), True): HostWork(740, 39, 783, 42),
+    (K(False, "none", False, True), True): HostWork(742, 39, 785, 42),
     (K(False, "none", True, False), False): HostWork(497, 39, 845, 66),
-    (K(False, "none", True, False), True): HostWork(830, 43, 1179, 70),
+    (K(False, "none", True, False), True): HostWork(832, 43, 1181, 70),
     (K(False, "none", True, True), False): HostWork(497, 39, 845, 66),
-    (K(False, "none", True, True), True): HostWork(830, 43, 1179, 70),
+    (K(False, "none", True, True), True): HostWork(832, 43, 1181, 70),
     (K(False, "candidates", False, False), False): HostWork(419, 39, 461, 42),
-    (K(False, "candidates", False, False), True): HostWork(752, 43, 795, 46),
+    (K(False, "candidates", False, False), True): HostWork(754, 43, 797, 46),
     (K(False, "candidates", False, True), False): HostWork(419, 39, 461, 42),
-    (K(False, "candidates", False, True), True): HostWork(752, 43, 795, 46),
+    (K(False, "candidates", False, True), True): HostWork(754, 43, 797, 46),
     (K(False, "candidates", True, False), False): HostWork(499, 43, 857, 70),
-    (K(False, "candidates", True, False), True): HostWork(832, 47, 1191, 74),
+    (K(False, "candidates", True, False), True): HostWork(834, 47, 1193, 74),
     (K(False, "candidates", True, True), False): HostWork(499, 43, 857, 70),
-    (K(False, "candidates", True, True), True): HostWork(832, 47, 1191, 74),
+    (K(False, "candidates", True, True), True): HostWork(834, 47, 1193, 74),
     (K(False, "search", False, False), False): HostWork(665, 57, 746, 63),
-    (K(False, "search", False, False), True): HostWork(998, 61, 1080, 67),
+    (K(False, "search", False, False), True): HostWork(1000, 61, 1082, 67),
     (K(False, "search", False, True), False): HostWork(669, 57, 750, 63),
-    (K(False, "search", False, True), True): HostWork(1002, 61, 1084, 67),
+    (K(False, "search", False, True), True): HostWork(1004, 61, 1086, 67),
     (K(False, "search", True, False), False): HostWork(658, 53, 1045, 84),
-    (K(False, "search", True, False), True): HostWork(991, 57, 1379, 88),
+    (K(False, "search", True, False), True): HostWork(993, 57, 1381, 88),
     (K(False, "search", True, True), False): HostWork(658, 53, 1045, 84),
-    (K(False, "search", True, True), True): HostWork(991, 57, 1379, 88),
+    (K(False, "search", True, True), True): HostWork(993, 57, 1381, 88),
 }
 """``vocabpar.sampling.verify`` on the shards, per key and whether draft logits come along (a
 greedy row ignores them)."""
@@ -143,10 +143,10 @@ ENGINE: dict[SamplerKey, HostWork] = {
 logits (a fixed script of dense passes) and no host read; ``raise_if_failed``, the one read per
 step, is priced by the design's caller."""
 ENGINE_VERIFY_EXTRA = {(False, True): fixed(55, 0), (False, False): fixed(56, 0),
-                       (True, False): fixed(383, 0)}
+                       (True, False): fixed(385, 0)}
 """``Sampler.verify`` launches beyond its sampler call on the stacked rows, by (draft logits,
 greedy): stacking, acceptance and emission (55, one more when sampled); with draft logits, also
-the exact masses and the correction (383). The same whatever the logits; no host read."""
+the exact masses and the correction (385). The same whatever the logits; no host read."""
 DENSE: dict[SamplerKey, HostWork] = {
     K(True): fixed(2, 0),
     **{K(False, k, p, m): fixed(6 + 6 * (k != "none") + (8 if p and k == "none" else 6 * p) + 5 * m, int(m))

@@ -167,8 +167,14 @@ def residual(p: torch.Tensor, p_total: torch.Tensor, q: torch.Tensor, q_total: t
              ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The correction's Gumbel-max from ``(p - q)+`` per row: the scores' pass, then
     :func:`first_max` (two passes compile in a fraction of the time one fused pass takes)."""
-    keys = row_keys(seed, positions, "residual")
+    keys = residual_keys(seed, positions)
     return first_max(residual_pass(p, p_total, q, q_total, keys, ids), ids)
+
+
+@Fused
+def residual_keys(seed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The rows' noise keys ``[F, 2]`` on the correction's stream, from seeds and positions ``[F]``."""
+    return row_keys(seed, positions, "residual")
 
 
 def _digits(keys: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor | int, bits: torch.Tensor | int,
