@@ -71,7 +71,6 @@ def _pass_inputs(F: int, R: int, seed: int) -> dict[str, tuple]:
         "residual_keys": (torch.arange(F) * 7, torch.arange(F) + 3),
         "first_max": (x.double(), ids),
         "histogram": (order, p, shift, torch.full((F,), 11), order[:, 0] >> shift, 2048),
-        "histogram ints": (order, p, 21, 11, order[:, 0] >> 21, 2048),
         "members": (order, p, order[:, 0] - 2**30, order[:, 0] + 2**30),
         "logit_histogram units": (x, ids, lower, t, min_z, z_max, V, 32, 11, zeros, 2048, True),
         "logit_histogram masses": (x, ids, lower, t, min_z, z_max, V, 21, 11, zeros + 1024, 2048, False),
@@ -171,8 +170,8 @@ def test_each_pass_compiles_once_whatever_the_shapes(ranks):
     and parameters never recompile. Some passes have two calling conventions: ``best_kept`` and
     ``first_max`` take a shard (ids per column) or merged candidates (ids per entry), ``masses``
     a float32 shard or float64 candidates, ``logit_histogram`` unit weights or masses (a static
-    flag); ``histogram`` is run here with int shifts too."""
-    conventions = {"histogram": 2, "first_max": 2, "logit_histogram": 2, "best_kept": 2, "masses": 2}
+    flag)."""
+    conventions = {"first_max": 2, "logit_histogram": 2, "best_kept": 2, "masses": 2}
     for rank in ranks:
         assert all(count <= conventions.get(name, 1) for name, count in rank["graphs"].items()), \
             str(rank["graphs"])
