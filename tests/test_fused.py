@@ -93,15 +93,20 @@ def _same(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def _tokens(n: int, group: dist.ProcessGroup) -> dict:
-    """Per parameter set, the tokens of sample, the engine, verify and the engine's verify on the
-    ``n`` ranks of ``group``, compiled and eager."""
+def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The full target rows ``[B·(K+1), V]`` (half peaked, half flat), draft rows ``[B·K, V]``,
+    draft tokens ``[B, K]`` and positions ``[B]`` every world size samples and verifies."""
     g = torch.Generator().manual_seed(1)
     full = torch.randn(B * (K + 1), V, generator=g) * 0.5
     full[: B * (K + 1) // 2] *= 10
     draft = torch.randn(B * K, V, generator=g) * 0.5
-    drafts = torch.randint(0, V, (B, K), generator=g)
-    pos = torch.arange(B) * 5
+    return full, draft, torch.randint(0, V, (B, K), generator=g), torch.arange(B) * 5
+
+
+def _tokens(n: int, group: dist.ProcessGroup) -> dict:
+    """Per parameter set, the tokens of sample, the engine, verify and the engine's verify on the
+    ``n`` ranks of ``group``, compiled and eager."""
+    full, draft, drafts, pos = _inputs()
     layout = VocabLayout(V, n, scheme="uneven" if n % 2 else "padded", pad_to=16)
     ids = layout.local_token_ids(comm.rank(group))
     shard = lambda t: torch.where(ids >= 0, t[:, ids.clamp(min=0)], float("-inf"))  # noqa: E731
@@ -179,12 +184,7 @@ def test_each_pass_compiles_once_whatever_the_shapes(ranks):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_tokens_compiled_equal_eager_and_the_reference_at_every_world_size(ranks, n):
-    g = torch.Generator().manual_seed(1)
-    full = torch.randn(B * (K + 1), V, generator=g) * 0.5
-    full[: B * (K + 1) // 2] *= 10
-    draft = torch.randn(B * K, V, generator=g) * 0.5
-    drafts = torch.randint(0, V, (B, K), generator=g)
-    pos = torch.arange(B) * 5
+    full, draft, drafts, pos = _inputs()
     for name, params in PARAMS.items():
         p = dataclasses.replace(params, seed=list(range(7, 7 + B)))
         want_sample = reference_sample(full[:B], p, positions=pos).tokens

@@ -193,14 +193,13 @@ digits = Fused(_digits)
 
 
 @Fused
-def histogram(keys: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor | int, bits: torch.Tensor | int,
+def histogram(keys: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, bits: torch.Tensor,
               prefix: torch.Tensor, top: int) -> torch.Tensor:
     """int64 ``[F, top + 1]``: per row, the weight of each ``bits``-bit digit below ``shift`` of
     the keys in the bucket ``prefix``, then (column ``top``) the weight above the bucket; one
     pass, nothing ``[F, R]``-sized written. ``keys``, ``weight``: int64 ``[F, R]``; ``shift``,
-    ``bits``: ints or per row ``[F]``; ``prefix``: ``[F]``."""
-    per_row = (v[:, None] if isinstance(v, torch.Tensor) else v for v in (shift, bits, prefix))
-    column, added, _ = _digits(keys, weight, *per_row, top)
+    ``bits``, ``prefix``: per row ``[F]``."""
+    column, added, _ = _digits(keys, weight, shift[:, None], bits[:, None], prefix[:, None], top)
     out = torch.zeros(keys.shape[0], top + 1, dtype=torch.long, device=keys.device)
     return out.scatter_add_(1, column, added)
 
