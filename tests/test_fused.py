@@ -13,13 +13,23 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from vocabpar import SamplingParams, VocabLayout, comm, exactmath, reference_sample, reference_verify, sample
+from vocabpar import (
+    SamplingParams,
+    VocabLayout,
+    comm,
+    exactmath,
+    reference_sample,
+    reference_verify,
+    sample,
+    token_logprobs,
+)
 from vocabpar.launch import run
 from vocabpar.sampling import Sampler, fused, verify
 from vocabpar.sampling.noise import gumbel_bound, row_keys
 from vocabpar.sampling.search import shard_keys
+from vocabpar.sampling.semantics import rank_key
 
-V, B, K = 3000, 6, 2
+V, B, K, TOP_N = 3000, 6, 2, 3
 PARAMS = {
     "top-p 0.9": SamplingParams(top_p=0.9),
     "top-k 700": SamplingParams(top_k=700),
@@ -63,9 +73,12 @@ def _pass_inputs(F: int, R: int, seed: int) -> dict[str, tuple]:
     zeros = torch.zeros(F, dtype=torch.long)
     per_token = (shift[:, None], torch.full((F, 1), 11), order[:, :1] >> shift[:, None])
     listed = [t.expand(F, R).flatten().clone() for t in (order, p, *per_token)]  # copies, as the search lists
+    entry_ids = torch.where(x > -2, ids.expand(F, R), -1)  # merged candidates: ids per entry
     return {
         "masses": (x, lower, t, min_z, z_max, V),
+        "masses candidates": (x.double(), lower, t, min_z, z_max, V),
         "best_kept": (x, ids, lower, t, min_z, keys),
+        "best_kept candidates": (x.double(), entry_ids, lower, t, min_z, keys),
         "reachable": (x, ids, lower, t, min_z, z_max + 3.5, keys[:, 0].contiguous(), gumbel_bound()),
         "residual_pass": (p, p.sum(1), q, q.sum(1).clamp(min=1), keys, ids),
         "residual_keys": (torch.arange(F) * 7, torch.arange(F) + 3),
@@ -76,6 +89,7 @@ def _pass_inputs(F: int, R: int, seed: int) -> dict[str, tuple]:
         "logit_histogram masses": (x, ids, lower, t, min_z, z_max, V, 21, 11, zeros + 1024, 2048, False),
         "digits": (*listed, 2048),
         "shard_keys": (x, ids >= 0),
+        "rank_keys": (x, ids),
         "scored": tuple(t.clone() for t in (x.double().flatten(), keys.repeat_interleave(R, 0),
                                             ids.clamp(min=0).repeat(F))),
     }
@@ -85,7 +99,7 @@ KERNELS = {"masses": fused.masses, "best_kept": fused.best_kept, "reachable": fu
            "residual_pass": fused.residual_pass, "residual_keys": fused.residual_keys,
            "first_max": fused.first_max, "digits": fused.digits,
            "histogram": fused.histogram, "logit_histogram": fused.logit_histogram, "members": fused.members,
-           "scored": fused.scored, "shard_keys": shard_keys}
+           "scored": fused.scored, "shard_keys": shard_keys, "rank_keys": fused.rank_keys}
 
 
 def _same(a, b) -> bool:
@@ -110,7 +124,7 @@ def _tokens(n: int, group: dist.ProcessGroup) -> dict:
     layout = VocabLayout(V, n, scheme="uneven" if n % 2 else "padded", pad_to=16)
     ids = layout.local_token_ids(comm.rank(group))
     shard = lambda t: torch.where(ids >= 0, t[:, ids.clamp(min=0)], float("-inf"))  # noqa: E731
-    sampler = Sampler(layout, group=group, max_rows=B * (2 * K + 1))
+    sampler = Sampler(layout, group=group, max_rows=B * (2 * K + 1), max_top_n=TOP_N)
     out = {}
     for name, params in PARAMS.items():
         p = dataclasses.replace(params, seed=list(range(7, 7 + B)))
@@ -125,28 +139,45 @@ def _tokens(n: int, group: dist.ProcessGroup) -> dict:
                                     group=group).tokens,
                              sampler.verify(target, batch, drafts, drafted).tokens)
         out[n, name] = (got[True], got[False])
+    scored = torch.arange(B) * 37 % V
+    for mode in (True, False):
+        with fused.compiling(mode):
+            logprobs = (token_logprobs(shard(full[:B]), layout, scored, top_n=TOP_N, group=group),
+                        sampler.token_logprobs(shard(full[:B]), scored, top_n=TOP_N))
+        out[n, "logprobs", mode] = [(s.logprobs, s.ranks, s.top_ids, s.top_logprobs) for s in logprobs]
     return out
 
 
+def _check_passes(F: int, R: int, share: slice) -> dict[tuple[str, int, int], bool]:
+    """Whether each pass of ``share`` (of the sorted names) gives the eager bits at ``[F, R]``."""
+    with fused.compiling(False):
+        inputs = _pass_inputs(F, R, F + R)
+        eager = {name: KERNELS[name.split()[0]](*inputs[name]) for name in sorted(inputs)[share]}
+    return {(name, F, R): _same(KERNELS[name.split()[0]](*inputs[name]), want)
+            for name, want in eager.items()}
+
+
+SHAPES = ((5, 300), (1, 1000), (9, 7), (64, 513))
+COMPILERS = 2
+"""Ranks that compile the passes, half each (one per core of a 2-core machine) while the others
+wait: every rank then loads every pass from Inductor's on-disk cache."""
+
+
 def _ranks_job(world: int) -> dict:
-    """Every check on this rank, compiled: each pass at several shapes against eager (rank 0),
-    then at each world size 1..``world`` (subgroups of the first n ranks) the tokens of sample,
-    verify and the engine compiled, eager and (on the main process) the reference's. Rank 0
-    compiles first (the passes, then one rank's calls) while the others wait: they then load
-    every pass from Inductor's cache instead of compiling it four times over on two cores."""
+    """Every check on this rank, compiled: its share of the passes (in every calling convention)
+    at several shapes against eager, then at each world size 1..``world`` (subgroups of the first
+    n ranks) the tokens of sample, verify and the engine compiled and eager (the main process
+    compares them with the reference's)."""
     torch.manual_seed(0)
     out: dict = {"passes": {}, "tokens": {}}
     groups = {n: dist.new_group(list(range(n))) for n in range(1, world + 1)}
     with fused.compiling(True):
-        if comm.rank() == 0:
-            for F, R in ((5, 300), (1, 1000), (9, 7), (64, 513)):
-                for name, args in _pass_inputs(F, R, F + R).items():
-                    with fused.compiling(False):
-                        eager = KERNELS[name.split()[0]](*args)
-                    out["passes"][name, F, R] = _same(KERNELS[name.split()[0]](*args), eager)
-            out["tokens"] |= _tokens(1, groups[1])
+        for F, R in SHAPES:
+            share = slice(comm.rank(), None, COMPILERS) if comm.rank() < COMPILERS else slice(0)
+            out["passes"] |= _check_passes(F, R, share)
         dist.barrier()
-        for n in range(2, world + 1):
+        out["passes"] |= _check_passes(2, 5, slice(None))  # every pass, loaded from the cache
+        for n in range(1, world + 1):
             if comm.rank() < n:
                 out["tokens"] |= _tokens(n, groups[n])
     out["compiled"] = sorted(fused.COMPILE_SECONDS)
@@ -164,10 +195,14 @@ def ranks() -> list[dict]:
 
 
 def test_every_pass_compiled_gives_the_eager_bits(ranks):
-    passes = ranks[0]["passes"]
-    assert passes and all(passes.values()), [k for k, ok in passes.items() if not ok]
-    assert not ranks[0]["broken"]
-    assert {f.__name__ for f in KERNELS.values()} <= set(ranks[0]["compiled"])
+    names = set(_pass_inputs(1, 1, 0))
+    compiled_here = ranks[0]["passes"].keys() | ranks[1]["passes"].keys()
+    assert compiled_here >= {(name, F, R) for name in names for F, R in SHAPES}
+    for rank in ranks:  # and every rank ran every pass from the cache
+        assert {name for name, F, R in rank["passes"] if (F, R) == (2, 5)} == names
+        assert all(rank["passes"].values()), [k for k, ok in rank["passes"].items() if not ok]
+    assert not any(rank["broken"] for rank in ranks)
+    assert all({f.__name__ for f in KERNELS.values()} <= set(rank["compiled"]) for rank in ranks)
 
 
 def test_each_pass_compiles_once_whatever_the_shapes(ranks):
@@ -195,4 +230,10 @@ def test_tokens_compiled_equal_eager_and_the_reference_at_every_world_size(ranks
             for got in (compiled, eager):
                 assert torch.equal(got[0], want_sample) and torch.equal(got[1], want_sample), (n, name)
                 assert torch.equal(got[2], want_verify) and torch.equal(got[3], want_verify), (n, name)
-
+    full_rows = full[:B]
+    want_top = rank_key(full_rows, torch.arange(V)).topk(TOP_N, 1).indices
+    for rank in ranks[:n]:
+        compiled, eager = rank["tokens"][n, "logprobs", True], rank["tokens"][n, "logprobs", False]
+        for got, want in zip(compiled, eager, strict=True):  # functional, then the engine
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), n
+            assert torch.equal(got[2], want_top), n

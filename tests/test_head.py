@@ -80,7 +80,7 @@ def _match(got, want, exact):
 
 
 @pytest.mark.exact
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [pytest.param(n, marks=pytest.mark.once) for n in (1, 2)] + [3, 4])
 def test_every_strategy_matches_reference_bit_for_bit_in_deterministic_mode(n):
     assert run(_collect_sweep, n, True, timeout=120) == [[]] * n
 

@@ -122,7 +122,7 @@ FUNCTIONAL_VERIFY: dict[tuple[SamplerKey, bool], HostWork] = {
 }
 """``vocabpar.sampling.verify`` on the shards, per key and whether draft logits come along (a
 greedy row ignores them)."""
-SCORE: dict[bool, tuple[int, int, int]] = {False: (92, 7, 1), True: (118, 7, 1)}
+SCORE: dict[bool, tuple[int, int, int]] = {False: (92, 7, 1), True: (105, 7, 1)}
 """``token_logprobs`` on one block of shards, without and with top-n lists: ``(launches, more
 launches per rank, host reads)`` (merging the gathered records takes a few ops per rank)."""
 COLLECT: dict[str, tuple[int, int, int]] = {

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from vocabpar.sampling.noise import gumbel, gumbel_bucket, row_keys
-from vocabpar.sampling.semantics import NEG_INF, keyed_residual_scores, mass, order_key
+from vocabpar.sampling.semantics import NEG_INF, keyed_residual_scores, mass, order_key, rank_key
 
 SWITCH = "VOCABPAR_COMPILE"
 _on = [os.environ.get(SWITCH, "1") != "0"]
@@ -47,10 +47,12 @@ def compiling(on: bool) -> Iterator[None]:
 
 
 class Fused:
-    """A pass ``fn`` of tensors, compiled on first use when enabled; the same bits either way."""
+    """A pass ``fn`` of tensors, compiled on first use when enabled; the same bits either way.
+    ``options``: Inductor settings for this pass on top of :data:`OPTIONS`."""
 
-    def __init__(self, fn: Callable[..., object]) -> None:
+    def __init__(self, fn: Callable[..., object], options: dict[str, object] | None = None) -> None:
         self.fn, self.compiled, self.broken = fn, None, False
+        self.options = OPTIONS | (options or {})
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: object) -> object:
@@ -70,7 +72,7 @@ class Fused:
     def _first(self, args: tuple[object, ...]) -> object:
         """Compile and run; on a compiler failure run eager from now on (a bad input raises
         from the eager run as it would without compilation)."""
-        self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True, options=OPTIONS)
+        self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True, options=self.options)
         start = time.perf_counter()
         try:
             out = self.compiled(*args)
@@ -171,10 +173,16 @@ def residual(p: torch.Tensor, p_total: torch.Tensor, q: torch.Tensor, q_total: t
     return first_max(residual_pass(p, p_total, q, q_total, keys, ids), ids)
 
 
-@Fused
-def residual_keys(seed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def _residual_keys(seed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The rows' noise keys ``[F, 2]`` on the correction's stream, from seeds and positions ``[F]``."""
     return row_keys(seed, positions, "residual")
+
+
+residual_keys = Fused(_residual_keys, options={"realize_opcount_threshold": 8,
+                                               "realize_cpu_opcount_threshold": 8})
+"""Sixteen chained hash rounds per row. Inductor inlines every intermediate value into the
+expressions that read it, and for this chain that took it 40 s to generate the code; these
+settings make it store the intermediates instead (a few bytes per row), which takes 4 s."""
 
 
 def _digits(keys: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor | int, bits: torch.Tensor | int,
@@ -227,3 +235,9 @@ def members(keys: torch.Tensor, weight: torch.Tensor, low: torch.Tensor, high: t
     """Bool ``[F, R]``: tokens with ``low <= key < high`` and a positive weight. ``keys``,
     ``weight``: int64 ``[F, R]``; ``low``, ``high``: ``[F]``."""
     return (keys >= low[:, None]) & (keys < high[:, None]) & (weight > 0)
+
+
+rank_keys = Fused(rank_key)
+""":func:`~vocabpar.sampling.semantics.rank_key` of a shard as one pass (``x``: float32 ``[F, R]``,
+``ids``: ``[R]``): the keys a top-n ranks (eager, its integer steps write five ``[F, R]`` int64
+tensors)."""

@@ -25,6 +25,7 @@ import torch
 from vocabpar import comm
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling.failures import Failures
+from vocabpar.sampling.fused import rank_keys
 from vocabpar.sampling.semantics import NEG_INF, rank_key
 from vocabpar.wire.records import LARGER, score
 
@@ -163,7 +164,7 @@ def _local_stats(logits: torch.Tensor, ids: torch.Tensor, col: torch.Tensor, own
         m = min(top_n, R)
         f64[rows, 3:] = NEG_INF
         if m:
-            best = rank_key(x, ids).topk(m, 1).indices
+            best = rank_keys(x, ids).topk(m, 1).indices
             f64[rows, 3: 3 + m] = x.gather(1, best).double()
             top_ids[rows, :m] = ids[best]
     return score(top_n).pack(max=f64[:, 0], sum_exp=f64[:, 1], chosen=f64[:, 2], values=f64[:, 3:],
