@@ -8,7 +8,9 @@ and run in the same processes on the same inputs, side by side:
   [256, V/4] local block (2 collectives per chunk, plus the 256-byte agreement check);
 * gather (what engines do): ``compute_logits(strategy="all_gather")`` per chunk, i.e. full
   [256, V] FP32 rows on every rank, then ``log_softmax``, the targets' values and ``topk``;
-* head: the local head GEMM per chunk alone, the floor both paths share.
+* head: the local head GEMM per chunk alone, the floor both paths share;
+* eager: the sharded path with top-n, its compiled pass (the rank keys) run eager
+  (``vocabpar.sampling.fused``; the results are asserted equal).
 
 Times are a full scoring pass (head GEMM included), slowest rank, median of ``--reps``
 passes after a one-chunk warm-up; bytes and calls are exact ``vocabpar.comm`` counters per rank
@@ -51,6 +53,7 @@ from vocabpar import (  # noqa: E402
     token_logprobs,
 )
 from vocabpar.launch import run  # noqa: E402
+from vocabpar.sampling import fused  # noqa: E402
 
 V, H, N = sized((129280, 1024, 4), (8192, 256, 2))
 T, CHUNK = 8192, 256
@@ -150,17 +153,25 @@ def bench(tokens: int, reps: int, mmap_threshold: int) -> dict:
     res["ranks equal"] = bool(torch.equal(a.ranks, (full > chosen).sum(1) + 1))
     del full
     res["head"] = _measure(lambda: _head_only(head, hidden), reps)
+    res["compile s"] = sum(fused.COMPILE_SECONDS.values())  # in the warm-up
     for top_n in TOP_NS:
         s = _measure(lambda k=top_n: _sharded(head, layout, hidden, targets, k), reps)
         g = _measure(lambda k=top_n: _gathered(head, hidden, targets, k), reps)
         a, b = s.pop("result"), g.pop("result")
+        if top_n:  # the top-n's keys are a compiled pass: the same pass eager, the same results
+            with fused.compiling(False):
+                e = _measure(lambda k=top_n: _sharded(head, layout, hidden, targets, k), reps)
+            c = e.pop("result")
+            res["eager equal"] = all(torch.equal(getattr(a, f), getattr(c, f))
+                                     for f in ("logprobs", "ranks", "top_ids", "top_logprobs"))
+            res["eager"] = e
         lse = b["lse"].abs().max().item()
         diff = (a.logprobs - b["logprobs"]).abs().max().item()
         top_diff = (a.top_logprobs - b["top_logprobs"]).abs().max().item() if top_n else 0.0
         res[top_n] = {"sharded": s, "gather": g, "diff": diff, "top diff": top_diff, "max |lse|": lse,
                       "top ids equal": int((a.top_ids == b["top_ids"]).all(1).sum()) if top_n else tokens}
     # slowest rank's median (bookkeeping all-reduce: not through vocabpar.comm, so never counted)
-    measured = [res["head"]] + [res[k][p] for k in TOP_NS for p in ("sharded", "gather")]
+    measured = [res["head"], res["eager"]] + [res[k][p] for k in TOP_NS for p in ("sharded", "gather")]
     t = torch.tensor([m["s"] for m in measured], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     for m, slowest in zip(measured, t.tolist()):
@@ -196,6 +207,7 @@ def main() -> None:
     rows = [("head", "-", [r["head"] for r in per_rank])]
     rows += [(path, top_n, [r[top_n][path] for r in per_rank])
              for top_n in TOP_NS for path in ("sharded", "gather")]
+    rows.append(("eager", max(TOP_NS), [r["eager"] for r in per_rank]))
     for path, top_n, ms in rows:
         m = ms[0]
         calls = {k: c[0] for k, c in m["traffic"].items()}
@@ -217,6 +229,14 @@ def main() -> None:
         print(f"  beyond the head GEMM ({head * 1e3:.0f} ms): sharded {(s['s'] - head) * 1e3:.0f} ms, gather "
               f"{(g['s'] - head) * 1e3:.0f} ms ({(g['s'] - head) / max(s['s'] - head, 1e-9):.1f}x); sharded, "
               f"received per chunk (1 call each): {per_call}")
+    head, top = r0["head"]["s"], max(TOP_NS)
+    extra = {name: (r0[top][name]["s"] if name != "eager" else r0["eager"]["s"]) - head
+             for name in ("sharded", "eager")}
+    plain = r0[0]["sharded"]["s"] - head
+    equal, compiling = all(r["eager equal"] for r in per_rank), max(r["compile s"] for r in per_rank)
+    print(f"sharded beyond the head GEMM, top_n={top} / top_n=0: {extra['sharded'] / plain:.2f}x compiled "
+          f"(target <= 2x), {extra['eager'] / plain:.2f}x eager (results equal: {equal}); "
+          f"compile s {compiling:.1f}")
     for top_n in TOP_NS:
         v = r0[top_n]
         print(f"check top_n={top_n}: max |logprob diff| {v['diff']:.2e} (max |LSE| {v['max |lse|']:.1f}, "

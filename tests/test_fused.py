@@ -1,8 +1,10 @@
 """The fused passes compiled (Inductor) against the same passes eager: the same bits for every
-pass and shape, the same tokens from ``sample``, ``verify`` and the engine ``Sampler`` at 1-4
-ranks (equal to the reference too), one compilation per pass whatever the shapes; and the
-float64 ``log`` / ``exp`` they rest on against libm. The rest of the suite runs the passes eager
-(``VOCABPAR_COMPILE=0`` in conftest): one launch here pays the compilations once per rank."""
+pass and shape, the same tokens from ``sample``, ``verify`` and the engine ``Sampler`` and the
+same logprobs and top-n from ``token_logprobs`` at 1-4 ranks (tokens and top ids equal to the
+reference too), one compilation per pass whatever the shapes; and the float64 ``log`` / ``exp``
+they rest on against libm. The rest of the suite runs the passes eager (``VOCABPAR_COMPILE=0``
+in conftest): in the one launch here two ranks compile half the passes each and every rank
+then loads them all from Inductor's on-disk cache."""
 
 import dataclasses
 import math
