@@ -11,7 +11,7 @@ import torch
 
 from vocabpar import SamplingParams, VocabLayout, comm, reference_sample, sample
 from vocabpar.launch import LaunchError, run
-from vocabpar.sampling import TokenCounts
+from vocabpar.sampling import TokenCounts, search
 from vocabpar.sampling.noise import gumbel, row_keys
 from vocabpar.sampling.reference import kept_tokens
 from vocabpar.sampling.semantics import penalise
@@ -242,6 +242,33 @@ def _sample_all(cases):
                     res = f"ValueError: {e}"
             out[case["name"], layout.scheme] = (res, comm.total_bytes(), sent)
     return out
+
+
+def _sample_both_ways(cases):
+    """Every case's tokens with the threshold search's rounds always on listed bucket tokens, then
+    always on the shard in place (whichever a bucket's size picks, the tokens are the same)."""
+    out = {}
+    for share in (1, 2**62):
+        search.DENSE_SHARE = share
+        for case in cases:
+            layout = _layouts(case["logits"].shape[1], case["org"], comm.world_size())[0]
+            try:
+                out[share, case["name"]] = sample(
+                    _shard(case["logits"], layout, comm.rank(), float("nan")), layout, case["params"],
+                    positions=case["positions"], token_counts=case.get("token_counts"),
+                    bitmask=case.get("bitmask")).tokens
+            except ValueError:
+                pass
+    return out
+
+
+def test_search_rounds_listed_or_in_place_give_the_same_tokens():
+    per_rank = run(_sample_both_ways, 3, CASES)
+    for (share, name), tokens in per_rank[0].items():
+        case = next(c for c in CASES if c["name"] == name)
+        assert torch.equal(tokens, _reference(case).tokens), (share, name)
+        assert all(torch.equal(r[share, name], tokens) for r in per_rank[1:])
+    assert len(per_rank[0]) > len(CASES)
 
 
 def _reference(case):

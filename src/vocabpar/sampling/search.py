@@ -22,6 +22,10 @@ from vocabpar.sampling.semantics import NEG_INF, key_value, merge_argmax, order_
 from vocabpar.wire.records import HISTOGRAM, SEARCH_BITS, SETTLE_BITS, SETTLE_TOKENS, settle
 from vocabpar.wire.scripts import Search
 
+DENSE_SHARE = 16
+"""The search's rounds read the whole shard, rather than its listed bucket, when the bucket holds
+more than ``1 / DENSE_SHARE`` of the shard's entries."""
+
 
 @Fused
 def shard_keys(x: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -107,15 +111,17 @@ def threshold_search(u: torch.Tensor, weight: torch.Tensor | None, need: torch.T
     sends the ``SETTLE_TOKENS`` largest keys of the bucket with their weights -- and, to draw, their
     scores and its best score above the bucket. A row whose bucket holds more on some rank takes
     one more round of ``2**SETTLE_BITS`` sums (and is not drawn). Only the bucket's tokens are
-    carried from round to round."""
+    carried from round to round, listed; a bucket holding more than ``1 / DENSE_SHARE`` of the
+    shard is read in place instead, and listed only once it is final."""
     F = u.shape[0]
     w = torch.where(u >= 0, 1 if weight is None else weight, 0)
     shift = bit_length(lo ^ hi)
     prefix = hi >> shift
     bits = (shift - SETTLE_BITS).clamp(0, SEARCH_BITS)
     above, total, rounds = torch.zeros(F, dtype=torch.long), None, 0
-    # rounds run on the tokens of the bucket and above only; when some row's bucket is the whole
-    # key range, the first round runs on the shard in place instead of copying it out
+    # rounds run on the tokens of the bucket and above only, listed; when some row's bucket is the
+    # whole key range, or the bucket holds a large share of the shard, they run on the shard in
+    # place instead (one read of it per round, where a listed token costs ~ten indexed operations)
     if bool((shift < 32).all()):  # host syncs here and below: branches every rank takes alike
         r, col = members(u, w, prefix << shift, torch.full_like(prefix, 2**33)).nonzero(as_tuple=True)
     else:
@@ -123,15 +129,23 @@ def threshold_search(u: torch.Tensor, weight: torch.Tensor | None, need: torch.T
                                                                 need, ranks)
         rounds += 1
         r, col = members(u, w, prefix << shift, (prefix + 1) << shift).nonzero(as_tuple=True)
-    key, wt = u[r, col], w[r, col]
+    in_place = r.numel() * DENSE_SHARE > u.numel()
+    key, wt = (None, None) if in_place else (u[r, col], w[r, col])
     while True:
         bits = (shift - SETTLE_BITS).clamp(0, SEARCH_BITS)
         if (total is not None or not callable(need)) and not bool((bits > 0).any()):
             break
-        shift, prefix, above, total, need, keep = _histogram_round(key, wt, r, bits, shift, prefix, above,
-                                                                   total, need, ranks)
+        if in_place:
+            shift, prefix, above, total, need, _ = _histogram_round(u, w, None, bits, shift, prefix, above,
+                                                                    total, need, ranks)
+        else:
+            shift, prefix, above, total, need, keep = _histogram_round(key, wt, r, bits, shift, prefix, above,
+                                                                       total, need, ranks)
+            r, col, key, wt = r[keep], col[keep], key[keep], wt[keep]
         rounds += 1
-        r, col, key, wt = r[keep], col[keep], key[keep], wt[keep]
+    if in_place:  # the final bucket's tokens, for the settling all-gather
+        r, col = members(u, w, prefix << shift, (prefix + 1) << shift).nonzero(as_tuple=True)
+        key, wt = u[r, col], w[r, col]
     v, token, overflow = _settle(key, wt, r, col, shift, prefix, above, need, ranks, draw)
     ties = bool(overflow.any())  # a host sync that saves a collective for every other row
     if ties:
