@@ -130,7 +130,7 @@ def threshold_search(u: torch.Tensor, weight: torch.Tensor | None, need: torch.T
         rounds += 1
         r, col = members(u, w, prefix << shift, (prefix + 1) << shift).nonzero(as_tuple=True)
     in_place = r.numel() * DENSE_SHARE > u.numel()
-    key, wt = (None, None) if in_place else (u[r, col], w[r, col])
+    key = wt = None
     while True:
         bits = (shift - SETTLE_BITS).clamp(0, SEARCH_BITS)
         if (total is not None or not callable(need)) and not bool((bits > 0).any()):
@@ -138,13 +138,17 @@ def threshold_search(u: torch.Tensor, weight: torch.Tensor | None, need: torch.T
         if in_place:
             shift, prefix, above, total, need, _ = _histogram_round(u, w, None, bits, shift, prefix, above,
                                                                     total, need, ranks)
+            r = col = None  # the listing is stale: the narrowed bucket is listed after the rounds
         else:
+            if key is None:
+                key, wt = u[r, col], w[r, col]
             shift, prefix, above, total, need, keep = _histogram_round(key, wt, r, bits, shift, prefix, above,
                                                                        total, need, ranks)
             r, col, key, wt = r[keep], col[keep], key[keep], wt[keep]
         rounds += 1
-    if in_place:  # the final bucket's tokens, for the settling all-gather
+    if r is None:  # the final bucket's tokens (everything above it is in ``above``)
         r, col = members(u, w, prefix << shift, (prefix + 1) << shift).nonzero(as_tuple=True)
+    if key is None:
         key, wt = u[r, col], w[r, col]
     v, token, overflow = _settle(key, wt, r, col, shift, prefix, above, need, ranks, draw)
     ties = bool(overflow.any())  # a host sync that saves a collective for every other row
