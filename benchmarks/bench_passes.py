@@ -5,7 +5,8 @@ ranks (B=256, V=129280, FP32; the configurations and logits of ``bench_sampling.
 Run: ``.venv/bin/python benchmarks/bench_passes.py``. Per configuration and sampler (the functional
 ``sample()`` and the engine ``Sampler``), after two warm-up calls, one call with every pass timed
 (wall ms on the slowest rank, 2 ranks per core) beside the floor (one row-max pass plus an
-all-gather of 16 bytes per row).
+all-gather of 16 bytes per row); ``coll``: collectives per call, ``reads``: host reads of device
+values per call (busiest rank; counted in a further, untimed call).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from vocabpar import SamplingParams, VocabLayout, sample
+from vocabpar import SamplingParams, VocabLayout, comm, sample
 from vocabpar.launch import run
 from vocabpar.sampling import Sampler, fused
 
@@ -61,7 +62,10 @@ def _job(names: tuple[str, ...]) -> dict:
             fused.Fused.__call__ = call
             start = time.perf_counter()
             bs._floor(local)
-            out[name, which] = (total, dict(spent), time.perf_counter() - start)
+            floor = time.perf_counter() - start
+            with comm.recording() as sent:  # an untimed call: the read counter slows every op
+                reads = bs._reads(fn)
+            out[name, which] = (total, dict(spent), floor, len(sent), reads)
     return out
 
 
@@ -69,11 +73,13 @@ def main() -> None:
     per_rank = run(_job, bs.N, NAMES, run_timeout=1800, timeout=300)
     print(f"B={bs.B} V={bs.V} ranks={bs.N} gloo, FP32; one call, slowest rank; ms")
     for key in per_rank[0]:
-        total, spent, floor = max(per_rank, key=lambda r: r[key][0])[key]
+        total, spent, floor, calls, _ = max(per_rank, key=lambda r: r[key][0])[key]
+        reads = max(r[key][4] for r in per_rank)
         passes = sum(spent.values())
         top = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in sorted(spent.items(), key=lambda kv: -kv[1]))
-        print(f"{key[0]:<22}{key[1]:<7} total {total * 1e3:7.0f}  passes {passes * 1e3:6.0f}  "
-              f"rest {(total - passes) * 1e3:6.0f}  floor {floor * 1e3:5.1f} | {top}")
+        print(f"{key[0]:<22}{key[1]:<7} coll {calls} reads {reads:>3}  total {total * 1e3:6.0f}  "
+              f"passes {passes * 1e3:5.0f}  rest {(total - passes) * 1e3:5.0f}  "
+              f"floor {floor * 1e3:5.1f} | {top}")
 
 
 if __name__ == "__main__":
