@@ -176,7 +176,7 @@ def _failures(n: int) -> dict:
 
 @pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.once) for n in (1, 2, 3)] + [4])
 def engine(request):
-    """Every world size in the main run; the second kernel set reruns 2 and 4 ranks."""
+    """Every world size in the main run; the second kernel set reruns 4 ranks."""
     return request.param, run(_engine_all, request.param, timeout=120, threads_per_rank=1)
 
 

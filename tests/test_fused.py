@@ -232,8 +232,7 @@ def test_tokens_compiled_equal_eager_and_the_reference_at_every_world_size(ranks
             for got in (compiled, eager):
                 assert torch.equal(got[0], want_sample) and torch.equal(got[1], want_sample), (n, name)
                 assert torch.equal(got[2], want_verify) and torch.equal(got[3], want_verify), (n, name)
-    full_rows = full[:B]
-    want_top = rank_key(full_rows, torch.arange(V)).topk(TOP_N, 1).indices
+    want_top = rank_key(full[:B], torch.arange(V)).topk(TOP_N, 1).indices
     for rank in ranks[:n]:
         compiled, eager = rank["tokens"][n, "logprobs", True], rank["tokens"][n, "logprobs", False]
         for got, want in zip(compiled, eager, strict=True):  # functional, then the engine
