@@ -72,7 +72,9 @@ class Fused:
     def _first(self, args: tuple[object, ...]) -> object:
         """Compile and run; on a compiler failure run eager from now on (a bad input raises
         from the eager run as it would without compilation)."""
-        self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True, options=self.options)
+        known = set(torch._inductor.list_options())  # a setting this torch lacks is left out, not fatal
+        options = {k: v for k, v in self.options.items() if k in known}
+        self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True, options=options)
         start = time.perf_counter()
         try:
             out = self.compiled(*args)
