@@ -100,13 +100,26 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- the passes
+def _kept(x: torch.Tensor, lower: torch.Tensor, temperature: torch.Tensor,
+          min_z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``z = x / t`` (float64 ``[F, R]``) and whether each token is kept: ``x >= lower`` and
+    ``z >= min_z`` (``lower``, ``temperature``, ``min_z``: per row ``[F]``)."""
+    z = x.double() / temperature[:, None]
+    return z, (x >= lower[:, None]) & (z >= min_z[:, None])
+
+
+def _bins(column: torch.Tensor, added: torch.Tensor, top: int) -> torch.Tensor:
+    """int64 ``[F, top + 1]``: per row, the weights ``added`` summed into their ``column``."""
+    out = torch.zeros(column.shape[0], top + 1, dtype=torch.long, device=column.device)
+    return out.scatter_add_(1, column, added)
+
+
 @Fused
 def masses(x: torch.Tensor, lower: torch.Tensor, temperature: torch.Tensor, min_z: torch.Tensor,
            z_max: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """int64 ``[F, R]``: the exact mass of each token with ``x >= lower`` and ``z = x / t >=
     min_z``, 0 elsewhere. ``x``: float32 ``[F, R]``; the rest float64 ``[F]``."""
-    z = x.double() / temperature[:, None]
-    kept = (x >= lower[:, None]) & (z >= min_z[:, None])
+    z, kept = _kept(x, lower, temperature, min_z)
     return torch.where(kept, mass(z, z_max[:, None], vocab_size), 0)
 
 
@@ -118,8 +131,8 @@ def best_kept(x: torch.Tensor, ids: torch.Tensor, lower: torch.Tensor, temperatu
     ``x``: float32 ``[F, R]`` with ``ids`` ``[R]`` (a shard), or float64 with ids per entry
     ``[F, R]`` (merged candidates); -1: padding, never kept; ``keys``: ``[F, 2]``; the rest
     float64 ``[F]``."""
-    z = x.double() / temperature[:, None]
-    kept = (x >= lower[:, None]) & (z >= min_z[:, None]) & (ids >= 0)
+    z, kept = _kept(x, lower, temperature, min_z)
+    kept = kept & (ids >= 0)
     score = torch.where(kept, z + gumbel(keys[:, None, :], ids.clamp(min=0)), NEG_INF)
     return _first_max(score, torch.where(kept, ids, -1))
 
@@ -155,9 +168,8 @@ def reachable(x: torch.Tensor, ids: torch.Tensor, lower: torch.Tensor, temperatu
     their uniform) lets ``z + G`` reach ``floor``. The bound is conservative: no possible winner
     is dropped. ``x``: float32 ``[F, R]``; ``ids``: ``[R]``; ``key``: each row's first noise key
     ``[F]``; the rest float64 ``[F]``."""
-    z = x.double() / temperature[:, None]
-    kept = (x >= lower[:, None]) & (z >= min_z[:, None]) & (ids >= 0)
-    return kept & (z + bound[gumbel_bucket(key[:, None], ids.clamp(min=0))] >= floor[:, None])
+    z, kept = _kept(x, lower, temperature, min_z)
+    return kept & (ids >= 0) & (z + bound[gumbel_bucket(key[:, None], ids.clamp(min=0))] >= floor[:, None])
 
 
 residual_pass = Fused(keyed_residual_scores)
@@ -210,8 +222,7 @@ def histogram(keys: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, bit
     pass, nothing ``[F, R]``-sized written. ``keys``, ``weight``: int64 ``[F, R]``; ``shift``,
     ``bits``, ``prefix``: per row ``[F]``."""
     column, added, _ = _digits(keys, weight, shift[:, None], bits[:, None], prefix[:, None], top)
-    out = torch.zeros(keys.shape[0], top + 1, dtype=torch.long, device=keys.device)
-    return out.scatter_add_(1, column, added)
+    return _bins(column, added, top)
 
 
 @Fused
@@ -224,12 +235,10 @@ def logit_histogram(x: torch.Tensor, ids: torch.Tensor, lower: torch.Tensor, tem
     ``x``: float32 ``[F, R]``; ``ids``: ``[R]`` (-1: padding, weight 0); ``prefix`` and the
     rest per row ``[F]``."""
     keys = torch.where(ids >= 0, order_key(x) + 2**31, -1)
-    z = x.double() / temperature[:, None]
-    kept = (x >= lower[:, None]) & (z >= min_z[:, None]) & (ids >= 0)
-    weight = torch.where(kept, 1 if unit else mass(z, z_max[:, None], vocab_size), 0)
+    z, kept = _kept(x, lower, temperature, min_z)
+    weight = torch.where(kept & (ids >= 0), 1 if unit else mass(z, z_max[:, None], vocab_size), 0)
     column, added, _ = _digits(keys, weight, shift, bits, prefix[:, None], top)
-    out = torch.zeros(x.shape[0], top + 1, dtype=torch.long, device=x.device)
-    return out.scatter_add_(1, column, added)
+    return _bins(column, added, top)
 
 
 @Fused
