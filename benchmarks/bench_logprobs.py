@@ -52,6 +52,7 @@ from vocabpar import (  # noqa: E402
     rss,
     token_logprobs,
 )
+from vocabpar.host_reads import counting  # noqa: E402
 from vocabpar.launch import run  # noqa: E402
 from vocabpar.sampling import fused  # noqa: E402
 
@@ -145,8 +146,11 @@ def bench(tokens: int, reps: int, mmap_threshold: int) -> dict:
     res: dict = {"max_rows": layout.max_rows, "trimmed": _trim is not None}
     # warm-up on one chunk of each path, and an exact check of the ranks on it (outside timing)
     first = slice(0, CHUNK)
+    res["reads"] = {}
     for top_n in TOP_NS:
-        a = _sharded(head, layout, hidden[first], targets[first], top_n)
+        with counting() as reads:  # host reads of one chunk's call (untimed: the counter slows ops)
+            a = _sharded(head, layout, hidden[first], targets[first], top_n)
+        res["reads"][top_n] = sum(reads.values())
         _gathered(head, hidden[first], targets[first], top_n)
     full = compute_logits(head, hidden[first], strategy="all_gather")
     chosen = full.gather(1, targets[first, None])
@@ -226,6 +230,8 @@ def main() -> None:
               f"peak RSS rise {rg / max(rs, 1):.1f}x; "
               f"[T, V/{N}] block / sharded rise {shard_block / max(rs, 1):.1f}x (target >= 8x)")
         head = r0["head"]["s"]
+        reads = max(r["reads"][top_n] for r in per_rank)
+        print(f"  sharded: {reads} host reads per chunk's call (busiest rank)")
         print(f"  beyond the head GEMM ({head * 1e3:.0f} ms): sharded {(s['s'] - head) * 1e3:.0f} ms, gather "
               f"{(g['s'] - head) * 1e3:.0f} ms ({(g['s'] - head) / max(s['s'] - head, 1e-9):.1f}x); sharded, "
               f"received per chunk (1 call each): {per_call}")

@@ -6,7 +6,8 @@ Run: ``.venv/bin/python benchmarks/bench_passes.py``. Per configuration and samp
 ``sample()`` and the engine ``Sampler``), after two warm-up calls, one call with every pass timed
 (wall ms on the slowest rank, 2 ranks per core) beside the floor (one row-max pass plus an
 all-gather of 16 bytes per row); ``coll``: collectives per call, ``reads``: host reads of device
-values per call (busiest rank; counted in a further, untimed call).
+values per call (busiest rank; counted in a further, untimed call). Then, side by side, the
+functional call with the threshold search's rounds always on the listed bucket and as shipped.
 """
 
 from __future__ import annotations
@@ -20,13 +21,29 @@ import torch
 
 from vocabpar import SamplingParams, VocabLayout, comm, sample
 from vocabpar.launch import run
-from vocabpar.sampling import Sampler, fused
+from vocabpar.sampling import Sampler, fused, search
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_sampling as bs  # noqa: E402
 
 NAMES = ("top-p 0.9 (flat)", "top-p 0.9 (zipf)", "top-k 1000 (peaked)", "min-p 0.1 (flat)",
          "top-p 0.9 (peaked)")
+
+
+def _listed_and_default(fn) -> tuple[float, float, bool]:
+    """Seconds of one call of ``fn`` (a ``sample()``) with the threshold search's rounds always on
+    its listed bucket, then as shipped (in place when the bucket holds over ``1 / DENSE_SHARE`` of
+    the shard), each after a warm-up call; and whether both draw the same tokens."""
+    shipped, seconds, tokens = search.DENSE_SHARE, [], []
+    for share in (1, shipped):
+        search.DENSE_SHARE = share
+        fn()
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        tokens.append(fn().tokens)
+        seconds.append(time.perf_counter() - start)
+    search.DENSE_SHARE = shipped
+    return seconds[0], seconds[1], torch.equal(*tokens)
 
 
 def _job(names: tuple[str, ...]) -> dict:
@@ -66,13 +83,14 @@ def _job(names: tuple[str, ...]) -> dict:
             with comm.recording() as sent:  # an untimed call: the read counter slows every op
                 reads = bs._reads(fn)
             out[name, which] = (total, dict(spent), floor, len(sent), reads)
+        out[name, "search"] = _listed_and_default(paths[0][1])
     return out
 
 
 def main() -> None:
     per_rank = run(_job, bs.N, NAMES, run_timeout=1800, timeout=300)
     print(f"B={bs.B} V={bs.V} ranks={bs.N} gloo, FP32; one call, slowest rank; ms")
-    for key in per_rank[0]:
+    for key in [k for k in per_rank[0] if k[1] != "search"]:
         total, spent, floor, calls, _ = max(per_rank, key=lambda r: r[key][0])[key]
         reads = max(r[key][4] for r in per_rank)
         passes = sum(spent.values())
@@ -80,6 +98,14 @@ def main() -> None:
         print(f"{key[0]:<22}{key[1]:<7} coll {calls} reads {reads:>3}  total {total * 1e3:6.0f}  "
               f"passes {passes * 1e3:5.0f}  rest {(total - passes) * 1e3:5.0f}  "
               f"floor {floor * 1e3:5.1f} | {top}")
+
+    print(f"functional sample(), the search's rounds on the listed bucket vs as shipped (in place when "
+          f"the bucket holds over 1/{search.DENSE_SHARE} of the shard); one call each, slowest rank; ms")
+    for name in NAMES:
+        listed, shipped = (max(r[name, "search"][i] for r in per_rank) for i in (0, 1))
+        equal = all(r[name, "search"][2] for r in per_rank)
+        print(f"{name:<22} listed {listed * 1e3:6.0f}  shipped {shipped * 1e3:6.0f}  "
+              f"({listed / shipped:.2f}x)  same tokens: {equal}")
 
 
 if __name__ == "__main__":
