@@ -28,8 +28,7 @@ from vocabpar import (
 from vocabpar.launch import run
 from vocabpar.sampling import Sampler, fused, verify
 from vocabpar.sampling.noise import gumbel_bound, row_keys
-from vocabpar.sampling.search import shard_keys
-from vocabpar.sampling.semantics import rank_key
+from vocabpar.sampling.semantics import mass_bits, order_key, rank_key
 
 V, B, K, TOP_N = 3000, 6, 2, 3
 PARAMS = {
@@ -69,6 +68,8 @@ def _pass_inputs(F: int, R: int, seed: int) -> dict[str, tuple]:
     min_z = z_max - 3
     keys = row_keys(torch.arange(F) + seed, torch.arange(F) * 3)
     p = fused.masses(x, lower, t, min_z, z_max, V)
+    bits, real, eleven = mass_bits(V), ids >= 0, torch.full((F,), 11)
+    first = order_key(x[:, 0]) + 2**31  # keys of the rows' first column
     q = fused.masses(x.flip(1), lower, t, min_z, z_max, V)
     shift = torch.randint(11, 33, (F,), generator=g)  # at least the 11 bits it reads
     order = torch.randint(0, 2**32, (F, R), generator=g)
@@ -85,13 +86,17 @@ def _pass_inputs(F: int, R: int, seed: int) -> dict[str, tuple]:
         "residual_pass": (p, p.sum(1), q, q.sum(1).clamp(min=1), keys, ids),
         "residual_keys": (torch.arange(F) * 7, torch.arange(F) + 3),
         "first_max": (x.double(), ids),
-        "histogram": (order, p, shift, torch.full((F,), 11), order[:, 0] >> shift, 2048),
-        "members": (order, p, order[:, 0] - 2**30, order[:, 0] + 2**30),
-        "logit_histogram units": (x, ids, lower, t, min_z, z_max, V, 32, 11, zeros, 2048, True),
-        "logit_histogram masses": (x, ids, lower, t, min_z, z_max, V, 21, 11, zeros + 1024, 2048, False),
+        "histogram": (x, real, p, shift, eleven, first >> shift, 2048, fused.pieces(bits, R)),
+        "histogram units": (x, real, None, shift, eleven, first >> shift, 2048, fused.pieces(1, R)),
+        "members": (x, real, p, first - 2**20, first + 2**20),
+        "members units": (x, real, None, first - 2**20, first + 2**20),
+        "logit_histogram units": (x, ids, lower, t, min_z, z_max, V, 32, 11, zeros, 2048, True,
+                                  fused.pieces(1, R)),
+        "logit_histogram masses": (x, ids, lower, t, min_z, z_max, V, 21, 11, zeros + 1024, 2048, False,
+                                   fused.pieces(bits, R)),
         "digits": (*listed, 2048),
-        "shard_keys": (x, ids >= 0),
         "rank_keys": (x, ids),
+        "order_keys": (x,),
         "scored": tuple(t.clone() for t in (x.double().flatten(), keys.repeat_interleave(R, 0),
                                             ids.clamp(min=0).repeat(F))),
     }
@@ -101,7 +106,7 @@ KERNELS = {"masses": fused.masses, "best_kept": fused.best_kept, "reachable": fu
            "residual_pass": fused.residual_pass, "residual_keys": fused.residual_keys,
            "first_max": fused.first_max, "digits": fused.digits,
            "histogram": fused.histogram, "logit_histogram": fused.logit_histogram, "members": fused.members,
-           "scored": fused.scored, "shard_keys": shard_keys, "rank_keys": fused.rank_keys}
+           "scored": fused.scored, "rank_keys": fused.rank_keys, "order_keys": fused.order_keys}
 
 
 def _same(a, b) -> bool:
@@ -213,7 +218,8 @@ def test_each_pass_compiles_once_whatever_the_shapes(ranks):
     ``first_max`` take a shard (ids per column) or merged candidates (ids per entry), ``masses``
     a float32 shard or float64 candidates, ``logit_histogram`` unit weights or masses (a static
     flag)."""
-    conventions = {"first_max": 2, "logit_histogram": 2, "best_kept": 2, "masses": 2}
+    conventions = {"first_max": 2, "logit_histogram": 2, "best_kept": 2, "masses": 2, "histogram": 2,
+                   "members": 2}
     for rank in ranks:
         assert all(count <= conventions.get(name, 1) for name, count in rank["graphs"].items()), \
             str(rank["graphs"])
@@ -238,3 +244,29 @@ def test_tokens_compiled_equal_eager_and_the_reference_at_every_world_size(ranks
         for got, want in zip(compiled, eager, strict=True):  # functional, then the engine
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), n
             assert torch.equal(got[2], want_top), n
+
+
+@pytest.mark.parametrize("columns", [300, 2**15 + 5])
+def test_histogram_sums_in_int32_pieces_exactly(columns):
+    """Weights up to the largest mass, all in one bin or spread, give the int64 sums (eager: the
+    compiled pass is pinned to it above)."""
+    g = torch.Generator().manual_seed(columns)
+    bits = mass_bits(129280)
+    x = torch.randn(3, columns, generator=g)
+    x[0] = 1.5  # every token of row 0 in one bin, at the largest weight
+    real = torch.arange(columns) % 9 != 4
+    weight = torch.randint(0, 2**bits, (3, columns), generator=g)
+    weight[0] = 2**bits - 1
+    shift, digit_bits = torch.tensor([32, 32, 24]), torch.tensor([8, 8, 8])
+    keys = order_key(x) + 2**31
+    prefix = torch.cat([torch.zeros(2, dtype=torch.long), keys[2, :1] >> 24])
+    with fused.compiling(False):
+        got = fused.histogram(x, real, weight, shift, digit_bits, prefix, 256, fused.pieces(bits, columns))
+    high = keys >> shift[:, None]
+    column = torch.where(high == prefix[:, None], (keys >> (shift - 8)[:, None]) & 255, 256)
+    added = torch.where(real & (high >= prefix[:, None]), weight, 0)
+    want = torch.zeros(3, 257, dtype=torch.long).scatter_add_(1, column, added)
+    assert torch.equal(got, want)
+    assert got[0].max() == real.sum() * (2**bits - 1)
+    with pytest.raises(ValueError, match="2\\*\\*22"):
+        fused.pieces(bits, 2**22)

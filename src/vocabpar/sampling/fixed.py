@@ -18,7 +18,7 @@ import torch
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling.dense import threshold
 from vocabpar.sampling.failures import Failures
-from vocabpar.sampling.fused import best_kept, logit_histogram, masses, residual
+from vocabpar.sampling.fused import best_kept, logit_histogram, masses, pieces, residual
 from vocabpar.sampling.noise import row_keys
 from vocabpar.sampling.params import Rows
 from vocabpar.sampling.ranks import Ranks
@@ -30,6 +30,7 @@ from vocabpar.sampling.semantics import (
     drawn_logits,
     key_value,
     mass,
+    mass_bits,
     merge_argmax,
     min_p_threshold,
     order_key,
@@ -132,8 +133,9 @@ class Choice:
 
         def counted(lower: torch.Tensor, pool_z: torch.Tensor, unit: bool):
             """This shard's histogram of the tokens with ``x >= lower``, ``z >= pool_z``."""
+            split = pieces(1 if unit else mass_bits(V), x.shape[1])
             return lambda shift, bits, prefix, top: logit_histogram(x, ids, lower, t, pool_z, z_max, V, shift,
-                                                                    bits, prefix, top, unit)
+                                                                    bits, prefix, top, unit, split)
 
         if plan.top_k_search:
             large = topk & ~exact_k

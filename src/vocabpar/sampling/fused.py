@@ -108,10 +108,38 @@ def _kept(x: torch.Tensor, lower: torch.Tensor, temperature: torch.Tensor,
     return z, (x >= lower[:, None]) & (z >= min_z[:, None])
 
 
-def _bins(column: torch.Tensor, added: torch.Tensor, top: int) -> torch.Tensor:
-    """int64 ``[F, top + 1]``: per row, the weights ``added`` summed into their ``column``."""
-    out = torch.zeros(column.shape[0], top + 1, dtype=torch.long, device=column.device)
-    return out.scatter_add_(1, column, added)
+def _flags(mask: torch.Tensor) -> torch.Tensor:
+    """A pass's ``[F, R]`` mask as int32 0/1, for ``nonzero``: Inductor's C++ writes a bool
+    tensor about five times slower than an int32 one (a quarter of the bytes notwithstanding)."""
+    return mask.int()
+
+
+def pieces(weight_bits: int, columns: int) -> tuple[int, int]:
+    """How a histogram pass sums weights below ``2**weight_bits`` over ``columns`` tokens per row
+    in int32: ``(bits, count)``, ``count`` pieces of ``bits`` bits, so that no bin of a piece
+    can pass ``2**31 - 1``. Two widths only (16 bits below ``2**15`` columns, else 9), so a
+    pass compiles at most twice whatever the shard."""
+    if columns >= 2**22:
+        raise ValueError(f"a histogram pass sums at most 2**22 - 1 tokens per row, got {columns}")
+    bits = 16 if columns < 2**15 else 9
+    return bits, -(-weight_bits // bits)
+
+
+def _bins(column: torch.Tensor, added: torch.Tensor, top: int, split: tuple[int, int]) -> torch.Tensor:
+    """int64 ``[F, top + 1]``: per row, the weights ``added`` summed into their ``column``, piece
+    by piece in int32 (``split``: :func:`pieces`). Exact in any order. Inductor adds int32 in the
+    loop that computes the weights; an int64 scatter-add it hands to ATen, through two ``[F, R]``
+    int64 temporaries, which takes 2.5 times as long as three int32 pieces."""
+    bits, count = split
+    F = column.shape[0]
+    out = torch.zeros(F, count * (top + 1), dtype=torch.int32, device=column.device)
+    for k in range(count):
+        out = out.scatter_add(1, column + k * (top + 1), ((added >> (k * bits)) & ((1 << bits) - 1)).int())
+    parts = out.view(F, count, top + 1).long()
+    total = parts[:, 0]
+    for k in range(1, count):
+        total = total + (parts[:, k] << (k * bits))
+    return total
 
 
 @Fused
@@ -163,13 +191,14 @@ def scored(z: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor) -> torch.Tens
 def reachable(x: torch.Tensor, ids: torch.Tensor, lower: torch.Tensor, temperature: torch.Tensor,
               min_z: torch.Tensor, floor: torch.Tensor, key: torch.Tensor,
               bound: torch.Tensor) -> torch.Tensor:
-    """Bool ``[F, R]``: kept tokens (``x >= lower``, ``z = x / t >= min_z``, real) whose noise
+    """int32 ``[F, R]``, 1 for the kept tokens (``x >= lower``, ``z = x / t >= min_z``, real) whose noise
     bound (``bound``: :func:`~vocabpar.sampling.noise.gumbel_bound`, indexed by the top 16 bits of
     their uniform) lets ``z + G`` reach ``floor``. The bound is conservative: no possible winner
     is dropped. ``x``: float32 ``[F, R]``; ``ids``: ``[R]``; ``key``: each row's first noise key
     ``[F]``; the rest float64 ``[F]``."""
     z, kept = _kept(x, lower, temperature, min_z)
-    return kept & (ids >= 0) & (z + bound[gumbel_bucket(key[:, None], ids.clamp(min=0))] >= floor[:, None])
+    noise_bound = bound[gumbel_bucket(key[:, None], ids.clamp(min=0))]
+    return _flags(kept & (ids >= 0) & (z + noise_bound >= floor[:, None]))
 
 
 residual_pass = Fused(keyed_residual_scores)
@@ -214,38 +243,61 @@ digits = Fused(_digits)
 """:func:`_digits` of listed tokens: every argument but ``top`` per token ``[N]``."""
 
 
+def _order_keys(x: torch.Tensor) -> torch.Tensor:
+    """Unsigned order keys in ``[0, 2**32)`` of float32 values (any shape): the same order."""
+    return order_key(x) + 2**31
+
+
+order_keys = Fused(_order_keys)
+
+
+def _shard_keys(x: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """:func:`_order_keys` of a shard's tokens, -1 where not ``real`` (padding). ``x``: float32
+    ``[F, R]``; ``real``: bool ``[R]``."""
+    return torch.where(real, _order_keys(x), -1)
+
+
+def _real_weight(real: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """int64 ``[F, R]``: ``weight`` (1 when None) on real tokens, 0 on padding."""
+    return torch.where(real, 1 if weight is None else weight, 0)
+
+
 @Fused
-def histogram(keys: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, bits: torch.Tensor,
-              prefix: torch.Tensor, top: int) -> torch.Tensor:
+def histogram(x: torch.Tensor, real: torch.Tensor, weight: torch.Tensor | None, shift: torch.Tensor,
+              bits: torch.Tensor, prefix: torch.Tensor, top: int, split: tuple[int, int]) -> torch.Tensor:
     """int64 ``[F, top + 1]``: per row, the weight of each ``bits``-bit digit below ``shift`` of
-    the keys in the bucket ``prefix``, then (column ``top``) the weight above the bucket; one
-    pass, nothing ``[F, R]``-sized written. ``keys``, ``weight``: int64 ``[F, R]``; ``shift``,
-    ``bits``, ``prefix``: per row ``[F]``."""
-    column, added, _ = _digits(keys, weight, shift[:, None], bits[:, None], prefix[:, None], top)
-    return _bins(column, added, top)
+    the shard's order keys in the bucket ``prefix``, then (column ``top``) the weight above the
+    bucket; one read of the shard, nothing ``[F, R]``-sized written. ``x``: float32 ``[F, R]``;
+    ``real``: bool ``[R]``; ``weight``: int64 ``[F, R]``, or None for 1 per real token;
+    ``shift``, ``bits``, ``prefix``: per row ``[F]``; ``split``: :func:`pieces` of the weights."""
+    shifts = (shift[:, None], bits[:, None], prefix[:, None])
+    column, added, _ = _digits(_shard_keys(x, real), _real_weight(real, weight), *shifts, top)
+    return _bins(column, added, top, split)
 
 
 @Fused
 def logit_histogram(x: torch.Tensor, ids: torch.Tensor, lower: torch.Tensor, temperature: torch.Tensor,
                     min_z: torch.Tensor, z_max: torch.Tensor, vocab_size: int, shift: int, bits: int,
-                    prefix: torch.Tensor, top: int, unit: bool) -> torch.Tensor:
+                    prefix: torch.Tensor, top: int, unit: bool, split: tuple[int, int]) -> torch.Tensor:
     """:func:`histogram` of this shard's order keys weighted by 1 (``unit``) or by the exact mass
     of each token with ``x >= lower`` and ``z = x / t >= min_z`` (0 elsewhere), computed from the
     logits in the same loop: one read of ``x`` per round, nothing ``[F, R]``-sized written.
     ``x``: float32 ``[F, R]``; ``ids``: ``[R]`` (-1: padding, weight 0); ``prefix`` and the
-    rest per row ``[F]``."""
-    keys = torch.where(ids >= 0, order_key(x) + 2**31, -1)
+    rest per row ``[F]``; ``split``: :func:`pieces` of the weights."""
+    keys = _shard_keys(x, ids >= 0)
     z, kept = _kept(x, lower, temperature, min_z)
     weight = torch.where(kept & (ids >= 0), 1 if unit else mass(z, z_max[:, None], vocab_size), 0)
     column, added, _ = _digits(keys, weight, shift, bits, prefix[:, None], top)
-    return _bins(column, added, top)
+    return _bins(column, added, top, split)
 
 
 @Fused
-def members(keys: torch.Tensor, weight: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
-    """Bool ``[F, R]``: tokens with ``low <= key < high`` and a positive weight. ``keys``,
-    ``weight``: int64 ``[F, R]``; ``low``, ``high``: ``[F]``."""
-    return (keys >= low[:, None]) & (keys < high[:, None]) & (weight > 0)
+def members(x: torch.Tensor, real: torch.Tensor, weight: torch.Tensor | None, low: torch.Tensor,
+            high: torch.Tensor) -> torch.Tensor:
+    """int32 ``[F, R]``, 1 for the tokens whose order key lies in ``[low, high)`` and whose weight
+    is positive (``x``, ``real``, ``weight`` as in :func:`histogram`; ``low``, ``high``: ``[F]``)."""
+    keys = _shard_keys(x, real)
+    return _flags((keys >= low[:, None]) & (keys < high[:, None]) & (_real_weight(real, weight) > 0))
 
 
 rank_keys = Fused(rank_key)

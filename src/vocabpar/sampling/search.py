@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from vocabpar.sampling.fused import Fused, digits, histogram, members, reachable, scored
+from vocabpar.sampling.fused import digits, histogram, members, order_keys, pieces, reachable, scored
 from vocabpar.sampling.noise import gumbel_bound
 from vocabpar.sampling.ranks import Ranks
-from vocabpar.sampling.semantics import NEG_INF, key_value, merge_argmax, order_key, row_argmax
+from vocabpar.sampling.semantics import NEG_INF, key_value, merge_argmax, row_argmax
 from vocabpar.wire.records import HISTOGRAM, SEARCH_BITS, SETTLE_BITS, SETTLE_TOKENS, settle
 from vocabpar.wire.scripts import Search
 
@@ -27,17 +27,10 @@ DENSE_SHARE = 16
 more than ``1 / DENSE_SHARE`` of the shard's entries."""
 
 
-@Fused
-def shard_keys(x: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """Unsigned order keys in [0, 2**32) of this shard's tokens (-1 for padding columns).
-    ``x``: float32 ``[F, columns]``; ``real``: bool ``[columns]``."""
-    return torch.where(real, order_key(x) + 2**31, -1)
-
-
 def value_key(values: torch.Tensor) -> torch.Tensor:
     """The unsigned order key of float values (rounded to float32, clamped to the finite-or-inf
     range of keys)."""
-    return order_key(values.float()) + 2**31
+    return order_keys(values.float())
 
 
 def bit_length(x: torch.Tensor) -> torch.Tensor:
@@ -95,14 +88,17 @@ class Draw:
         return torch.where(z >= self.min_z[r], scored(z, self.keys[r], self.ids[col]), NEG_INF)
 
 
-def threshold_search(u: torch.Tensor, weight: torch.Tensor | None, need: torch.Tensor | Callable,
-                     lo: torch.Tensor, hi: torch.Tensor, ranks: Ranks,
-                     draw: Draw | None = None) -> tuple[torch.Tensor, torch.Tensor, Search]:
-    """Per row, the largest key ``v`` with ``sum(weight[u >= v]) >= need`` over all ranks, given
-    ``lo <= v <= hi`` (``u``: this shard's keys ``[F, columns]``, -1 = not a token; weight 1 when
-    None). ``need`` may be a function of the rows' total weight, which the first round then
-    measures. With ``draw``, also the token drawn from ``key >= v`` and ``z >= min_z``. Returns
-    ``(v, token, search)``: token -1 where not drawn, ``search`` what was sent.
+def threshold_search(x: torch.Tensor, real: torch.Tensor, weight: torch.Tensor | None,
+                     need: torch.Tensor | Callable, lo: torch.Tensor, hi: torch.Tensor, ranks: Ranks,
+                     draw: Draw | None = None,
+                     weight_bits: int = 1) -> tuple[torch.Tensor, torch.Tensor, Search]:
+    """Per row, the largest key ``v`` with ``sum(weight[key >= v]) >= need`` over all ranks, given
+    ``lo <= v <= hi``: ``key`` the order keys of this shard's values ``x`` (float32 ``[F,
+    columns]``) where ``real`` (``[columns]``; padding weighs nothing), ``weight`` int64 ``[F,
+    columns]`` below ``2**weight_bits``, or 1 per token when None. ``need`` may be a function of
+    the rows' total weight, which the first round then measures. With ``draw``, also the token
+    drawn from ``key >= v`` and ``z >= min_z``. Returns ``(v, token, search)``: token -1 where not
+    drawn, ``search`` what was sent.
 
     The keys ``lo`` and ``hi`` share their top bits: the search starts in that bucket. Each round
     all-reduces a histogram of ``2**SEARCH_BITS`` weights per row (plus the weight above the
@@ -113,8 +109,9 @@ def threshold_search(u: torch.Tensor, weight: torch.Tensor | None, need: torch.T
     one more round of ``2**SETTLE_BITS`` sums (and is not drawn). Only the bucket's tokens are
     carried from round to round, listed; a bucket holding more than ``1 / DENSE_SHARE`` of the
     shard is read in place instead, and listed only once it is final."""
-    F = u.shape[0]
-    w = torch.where(u >= 0, 1 if weight is None else weight, 0)
+    F = x.shape[0]
+    split = pieces(weight_bits, x.shape[1])
+    shard = (x, real, weight)
     shift = bit_length(lo ^ hi)
     prefix = hi >> shift
     bits = (shift - SETTLE_BITS).clamp(0, SEARCH_BITS)
@@ -123,41 +120,48 @@ def threshold_search(u: torch.Tensor, weight: torch.Tensor | None, need: torch.T
     # whole key range, or the bucket holds a large share of the shard, they run on the shard in
     # place instead (one read of it per round, where a listed token costs ~ten indexed operations)
     if bool((shift < 32).all()):  # host syncs here and below: branches every rank takes alike
-        r, col = members(u, w, prefix << shift, torch.full_like(prefix, 2**33)).nonzero(as_tuple=True)
+        r, col = members(*shard, prefix << shift, torch.full_like(prefix, 2**33)).nonzero(as_tuple=True)
     else:
-        shift, prefix, above, total, need, _ = _histogram_round(u, w, None, bits, shift, prefix, above, total,
-                                                                need, ranks)
+        shift, prefix, above, total, need, _ = _histogram_round(shard, None, bits, shift, prefix, above,
+                                                                total, need, ranks, split)
         rounds += 1
-        r, col = members(u, w, prefix << shift, (prefix + 1) << shift).nonzero(as_tuple=True)
-    in_place = r.numel() * DENSE_SHARE > u.numel()
+        r, col = members(*shard, prefix << shift, (prefix + 1) << shift).nonzero(as_tuple=True)
+    in_place = r.numel() * DENSE_SHARE > x.numel()
     key = wt = None
     while True:
         bits = (shift - SETTLE_BITS).clamp(0, SEARCH_BITS)
         if (total is not None or not callable(need)) and not bool((bits > 0).any()):
             break
         if in_place:
-            shift, prefix, above, total, need, _ = _histogram_round(u, w, None, bits, shift, prefix, above,
-                                                                    total, need, ranks)
+            shift, prefix, above, total, need, _ = _histogram_round(shard, None, bits, shift, prefix, above,
+                                                                    total, need, ranks, split)
             r = col = None  # the listing is stale: the narrowed bucket is listed after the rounds
         else:
             if key is None:
-                key, wt = u[r, col], w[r, col]
-            shift, prefix, above, total, need, keep = _histogram_round(key, wt, r, bits, shift, prefix, above,
-                                                                       total, need, ranks)
+                key, wt = _listed(shard, r, col)
+            shift, prefix, above, total, need, keep = _histogram_round((key, wt), r, bits, shift, prefix,
+                                                                       above, total, need, ranks)
             r, col, key, wt = r[keep], col[keep], key[keep], wt[keep]
         rounds += 1
     if r is None:  # the final bucket's tokens (everything above it is in ``above``)
-        r, col = members(u, w, prefix << shift, (prefix + 1) << shift).nonzero(as_tuple=True)
+        r, col = members(*shard, prefix << shift, (prefix + 1) << shift).nonzero(as_tuple=True)
     if key is None:
-        key, wt = u[r, col], w[r, col]
+        key, wt = _listed(shard, r, col)
     v, token, overflow = _settle(key, wt, r, col, shift, prefix, above, need, ranks, draw)
     ties = bool(overflow.any())  # a host sync that saves a collective for every other row
     if ties:
         mine = overflow[r]
-        _, exact, *_ = _histogram_round(key[mine], wt[mine], r[mine], torch.where(overflow, shift, 0), shift,
-                                        prefix, above, total, need, ranks)
+        _, exact, *_ = _histogram_round((key[mine], wt[mine]), r[mine], torch.where(overflow, shift, 0),
+                                        shift, prefix, above, total, need, ranks)
         v, token = torch.where(overflow, exact, v), torch.where(overflow, -1, token)
     return v, token, Search(F, rounds, draw is not None, ties)
+
+
+def _listed(shard: tuple, r: torch.Tensor, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The order keys and weights ``[N]`` of the listed tokens ``(r, col)`` of ``shard`` (``(x,
+    real, weight)``, as :func:`threshold_search` takes them; listed tokens are real)."""
+    x, _, weight = shard
+    return value_key(x[r, col]), torch.ones_like(r) if weight is None else weight[r, col]
 
 
 def _settle(key, wt, r, col, shift, prefix, above, need, ranks: Ranks, draw: Draw | None):
@@ -198,18 +202,22 @@ def _settle(key, wt, r, col, shift, prefix, above, need, ranks: Ranks, draw: Dra
     return v, token, (got.count > SETTLE_TOKENS).any(0)
 
 
-def _histogram_round(key, wt, r, bits, shift, prefix, above, total, need, ranks: Ranks):
+def _histogram_round(tokens, r, bits, shift, prefix, above, total, need, ranks: Ranks,
+                     split: tuple[int, int] | None = None):
     """One all-reduce: per row, the weights of the ``2**bits`` digits below the bucket's prefix
     (and, in the first round, of everything above the bucket); keep the digit holding the
-    threshold. ``key``, ``wt``: the tokens of rows ``r`` (``[N]``), or the whole shard (``[F,
-    columns]``, ``r`` None). Returns the narrowed (shift, prefix, above), the total and ``need``
-    once known, and which listed tokens stay in the bucket (None for the whole shard)."""
+    threshold. ``tokens``: the keys and weights ``[N]`` of listed tokens of rows ``r``, or (``r``
+    None) the shard as :func:`threshold_search` takes it, ``(x, real, weight)``, with ``split``
+    its weights' :func:`~vocabpar.sampling.fused.pieces`. Returns the narrowed (shift, prefix,
+    above), the total and ``need`` once known, and which listed tokens stay in the bucket (None
+    for the whole shard)."""
     F = prefix.shape[0]
     top, words = 1 << SEARCH_BITS, HISTOGRAM.words()  # column top: above the bucket; below weighs nothing
     keep = None
     if r is None:
-        hist = histogram(key, wt, shift, bits, prefix, top)
+        hist = histogram(*tokens, shift, bits, prefix, top, split)
     else:
+        key, wt = tokens
         digit, weight, inside = digits(key, wt, shift[r], bits[r], prefix[r], top)
         hist = torch.zeros(F * words, dtype=torch.long).index_add_(0, r * words + digit, weight)
     got = HISTOGRAM.unpack(ranks.sum(hist.view(F, words)))

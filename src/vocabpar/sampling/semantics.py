@@ -185,6 +185,11 @@ def mass_shift(vocab_size: int) -> int:
     return 62 - vocab_size.bit_length()
 
 
+def mass_bits(vocab_size: int) -> int:
+    """Bits of the largest :func:`mass`, ``2**mass_shift`` (the row's maximum)."""
+    return mass_shift(vocab_size) + 1
+
+
 def mass(z: torch.Tensor, zmax: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Exact fixed-point weight (int64) of each token: ``floor(exp(z - zmax) * 2**s)``
     (:func:`vocabpar.exactmath.exp_fixed`: the same integers eager or compiled)."""

@@ -49,7 +49,7 @@ from vocabpar.sampling.noise import row_keys
 from vocabpar.sampling.params import Rows, SamplingParams, TokenCounts, check_sample_inputs, on_device
 from vocabpar.sampling.ranks import Ranks, agreed, group_ranks, params_fact
 from vocabpar.sampling.scoring import token_logprobs
-from vocabpar.sampling.search import Draw, contenders, shard_keys, threshold_search, value_key
+from vocabpar.sampling.search import Draw, contenders, threshold_search, value_key
 from vocabpar.sampling.semantics import (
     NEG_INF,
     PAD_KEY,
@@ -57,6 +57,7 @@ from vocabpar.sampling.semantics import (
     check_rows,
     drawn_logits,
     key_value,
+    mass_bits,
     mass_shift,
     merge_argmax,
     min_p_threshold,
@@ -315,7 +316,7 @@ class SampledRows:
             hi = value_key(torch.where(self.nothing_unsent, self.best, self.unsent_max)[search])
             draw = None if (self.rows.top_p[search] < 1).any() else self.draw_for(search)
             v, self.drawn[search], self.top_k_search = threshold_search(
-                shard_keys(self.rows_of(search), self.ids >= 0), None, k[search], lo, hi, self.ranks, draw)
+                self.rows_of(search), self.ids >= 0, None, k[search], lo, hi, self.ranks, draw)
             kappa[search] = key_value(v - 2**31)
         return kappa
 
@@ -372,8 +373,8 @@ class SampledRows:
             folded, known, p = fold[search], target[search], self.rows.top_p[search]
             need = lambda measured: torch.where(folded, top_p_target(measured, p), known)  # noqa: E731
             v, self.drawn[search], self.top_p_search = threshold_search(
-                shard_keys(self.rows_of(search), self.ids >= 0), q, need, lo, value_key(unsent_max[search]),
-                self.ranks, self.draw_for(search))
+                self.rows_of(search), self.ids >= 0, q, need, lo, value_key(unsent_max[search]), self.ranks,
+                self.draw_for(search), mass_bits(V))
             tau[search] = key_value(v - 2**31)
         return tau
 
