@@ -96,7 +96,7 @@ def _pass_inputs(F: int, R: int, seed: int) -> dict[str, tuple]:
                                    fused.pieces(bits, R)),
         "digits": (*listed, 2048),
         "rank_keys": (x, ids),
-        "order_keys": (x,),
+        "order_keys": (x.flatten(),),
         "scored": tuple(t.clone() for t in (x.double().flatten(), keys.repeat_interleave(R, 0),
                                             ids.clamp(min=0).repeat(F))),
     }
