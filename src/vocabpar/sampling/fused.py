@@ -126,10 +126,19 @@ def pieces(weight_bits: int, columns: int) -> tuple[int, int]:
 
 
 def _bins(column: torch.Tensor, added: torch.Tensor, top: int, split: tuple[int, int]) -> torch.Tensor:
-    """int64 ``[F, top + 1]``: per row, the weights ``added`` summed into their ``column``, piece
-    by piece in int32 (``split``: :func:`pieces`). Exact in any order. Inductor adds int32 in the
-    loop that computes the weights; an int64 scatter-add it hands to ATen, through two ``[F, R]``
-    int64 temporaries, which takes 2.5 times as long as three int32 pieces."""
+    """int64 ``[F, top + 1]``: per row, the weights ``added`` summed into their ``column``. Exact
+    in any order. Compiled, the sums run in int32 pieces (``split``: :func:`pieces`): Inductor adds
+    int32 in the loop that computes the weights, but hands an int64 scatter-add to ATen through
+    two ``[F, R]`` int64 temporaries (2.5 times the time of three pieces); eager, ATen's int64
+    scatter-add is one plain loop."""
+    if torch.compiler.is_compiling():
+        return _piece_bins(column, added, top, split)
+    return torch.zeros(column.shape[0], top + 1, dtype=torch.long, device=column.device).scatter_add_(
+        1, column, added)
+
+
+def _piece_bins(column: torch.Tensor, added: torch.Tensor, top: int, split: tuple[int, int]) -> torch.Tensor:
+    """:func:`_bins` summed piece by piece in int32."""
     bits, count = split
     F = column.shape[0]
     out = torch.zeros(F, count * (top + 1), dtype=torch.int32, device=column.device)
