@@ -80,6 +80,7 @@ def _pass_inputs(F: int, R: int, seed: int) -> dict[str, tuple]:
     return {
         "masses": (x, lower, t, min_z, z_max, V),
         "masses candidates": (x.double(), lower, t, min_z, z_max, V),
+        "mass_totals": (x, lower, t, min_z, z_max, V),
         "best_kept": (x, ids, lower, t, min_z, keys),
         "best_kept candidates": (x.double(), entry_ids, lower, t, min_z, keys),
         "reachable": (x, ids, lower, t, min_z, z_max + 3.5, keys[:, 0].contiguous(), gumbel_bound()),
@@ -102,9 +103,9 @@ def _pass_inputs(F: int, R: int, seed: int) -> dict[str, tuple]:
     }
 
 
-KERNELS = {"masses": fused.masses, "best_kept": fused.best_kept, "reachable": fused.reachable,
-           "residual_pass": fused.residual_pass, "residual_keys": fused.residual_keys,
-           "first_max": fused.first_max, "digits": fused.digits,
+KERNELS = {"masses": fused.masses, "mass_totals": fused.mass_totals, "best_kept": fused.best_kept,
+           "reachable": fused.reachable, "residual_pass": fused.residual_pass,
+           "residual_keys": fused.residual_keys, "first_max": fused.first_max, "digits": fused.digits,
            "histogram": fused.histogram, "logit_histogram": fused.logit_histogram, "members": fused.members,
            "scored": fused.scored, "rank_keys": fused.rank_keys, "order_keys": fused.order_keys}
 

@@ -18,7 +18,7 @@ import torch
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling.dense import threshold
 from vocabpar.sampling.failures import Failures
-from vocabpar.sampling.fused import best_kept, logit_histogram, masses, pieces, residual
+from vocabpar.sampling.fused import best_kept, logit_histogram, mass_totals, masses, pieces, residual
 from vocabpar.sampling.noise import row_keys
 from vocabpar.sampling.params import Rows
 from vocabpar.sampling.ranks import Ranks
@@ -90,8 +90,18 @@ class Choice:
 
     def kept_mass(self, sel: torch.Tensor) -> torch.Tensor:
         """int64 ``[F, R]``: exact masses of the kept tokens of rows ``sel``, 0 elsewhere."""
-        return masses(self.x[sel], self.thr[sel].double(), self.temperature[sel], self.min_z[sel],
-                      self.z_max[sel], self.vocab)
+        return masses(*self._mass_inputs(sel))
+
+    def kept_total_and_at(self, sel: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row of ``sel``, the total kept mass and the kept mass at column ``cols`` (``[F]``):
+        the row sums and one entry of :meth:`kept_mass`, without its ``[F, R]``."""
+        x, *rest = self._mass_inputs(sel)
+        return mass_totals(x, *rest), masses(x.gather(1, cols[:, None]), *rest)[:, 0]
+
+    def _mass_inputs(self, sel: torch.Tensor) -> tuple:
+        """The :func:`~vocabpar.sampling.fused.masses` arguments of the kept tokens of rows ``sel``."""
+        return (self.x[sel], self.thr[sel].double(), self.temperature[sel], self.min_z[sel], self.z_max[sel],
+                self.vocab)
 
     @cached_property
     def z(self) -> torch.Tensor:
@@ -207,9 +217,8 @@ class DraftPairs:
         cols, owned = cols.to(device), owned.to(device)
         local = {}
         for side, sel in (("target", self.target_rows), ("draft", self.draft_rows)):
-            m = choice.kept_mass(sel)
-            local[f"{side}_total"] = m.sum(1)
-            local[f"{side}_token"] = torch.where(owned, m.gather(1, cols[:, None])[:, 0], 0)
+            total, at = choice.kept_total_and_at(sel, cols)
+            local[f"{side}_total"], local[f"{side}_token"] = total, torch.where(owned, at, 0)
         total = MASSES.pack(**local)
         self.total = MASSES.unpack(ranks.sum(padded(total, max_rows))[: B * k])
         seeds = rows.seed[:, None].expand(B, k)

@@ -151,13 +151,23 @@ def _piece_bins(column: torch.Tensor, added: torch.Tensor, top: int, split: tupl
     return total
 
 
-@Fused
-def masses(x: torch.Tensor, lower: torch.Tensor, temperature: torch.Tensor, min_z: torch.Tensor,
-           z_max: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def _masses(x: torch.Tensor, lower: torch.Tensor, temperature: torch.Tensor, min_z: torch.Tensor,
+            z_max: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """int64 ``[F, R]``: the exact mass of each token with ``x >= lower`` and ``z = x / t >=
     min_z``, 0 elsewhere. ``x``: float32 ``[F, R]``; the rest float64 ``[F]``."""
     z, kept = _kept(x, lower, temperature, min_z)
     return torch.where(kept, mass(z, z_max[:, None], vocab_size), 0)
+
+
+masses = Fused(_masses)
+
+
+@Fused
+def mass_totals(x: torch.Tensor, lower: torch.Tensor, temperature: torch.Tensor, min_z: torch.Tensor,
+                z_max: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int64 ``[F]``: the row sums of :func:`masses` (same arguments), without writing ``[F, R]``
+    (a third less time)."""
+    return _masses(x, lower, temperature, min_z, z_max, vocab_size).sum(1)
 
 
 @Fused

@@ -44,7 +44,7 @@ import torch
 
 from vocabpar import comm
 from vocabpar.layout import VocabLayout
-from vocabpar.sampling.fused import masses, scored
+from vocabpar.sampling.fused import mass_totals, masses, scored
 from vocabpar.sampling.noise import row_keys
 from vocabpar.sampling.params import Rows, SamplingParams, TokenCounts, check_sample_inputs, on_device
 from vocabpar.sampling.ranks import Ranks, agreed, group_ranks, params_fact
@@ -333,8 +333,7 @@ class SampledRows:
         topp = self.sampled & (self.rows.top_p < 1)
         if not topp.any():
             return tau
-        pool_z = min_z if order == "vllm" else torch.full_like(min_z, NEG_INF)
-        cand_mass = masses(cand, kappa.double(), t, pool_z, z_max, V)  # the pool's (padding: -inf, mass 0)
+        cand_mass = masses(cand, kappa.double(), t, self.pool_min_z, z_max, V)  # padding: -inf, mass 0
         total = cand_mass.sum(1)
         complete = self.nothing_unsent | (kappa > unsent_max)  # unsent tokens are <= unsent_max
         if order == "vllm":  # no unsent token passes min-p
@@ -346,10 +345,9 @@ class SampledRows:
         unsent = _unsent_mass(self.first, t, z_max, self.ranks, V)
         fold = topp & ~complete & (above_unsent < self.rows.top_p * (total + unsent / 2))
         missing = (topp & ~complete & ~fold).nonzero().flatten()
-        local_q = None
         if missing.numel():
-            local_q = self.local_mass(missing, kappa)
-            total[missing] = TOTAL.unpack(self.ranks.sum(TOTAL.pack(mass=local_q.sum(1)))).mass
+            local = mass_totals(*self._mass_inputs(missing, kappa, self.pool_min_z))
+            total[missing] = TOTAL.unpack(self.ranks.sum(TOTAL.pack(mass=local))).mass
             self.total_rows = missing.numel()
         target = top_p_target(total, self.rows.top_p)
         first = (cand_mass.gather(1, self.key_order).cumsum(1) < target[:, None]).sum(1)
@@ -362,10 +360,7 @@ class SampledRows:
         tau[certified] = tau_c[certified]
         search = (topp & ~certified).nonzero().flatten()
         if search.numel():
-            if local_q is not None and torch.isin(search, missing).all():  # reuse, usual when flat
-                q = local_q[torch.searchsorted(missing, search)]
-            else:
-                q = self.local_mass(search, kappa)
+            q = masses(*self._mass_inputs(search, kappa, self.pool_min_z))
             # at least tau_c when the candidates reach the target, else at least the value below
             # which masses are 0; at most unsent_max (the candidates above it fall short)
             floor_x = t * (z_max - mass_shift(V) * math.log(2) - 1)
@@ -378,21 +373,29 @@ class SampledRows:
             tau[search] = key_value(v - 2**31)
         return tau
 
-    def local_mass(self, sel: torch.Tensor, kappa: torch.Tensor) -> torch.Tensor:
-        """Integer masses ``[len(sel), columns]`` of this shard's tokens of rows ``sel`` in their
-        top-p pool."""
-        min_z = self.min_z if self.rows.filter_order == "vllm" else torch.full_like(self.min_z, NEG_INF)
-        return self._masses(sel, kappa, min_z)
+    @property
+    def pool_min_z(self) -> torch.Tensor:
+        """The min-p bound of the top-p pool: ``min_z`` with ``filter_order="vllm"``, else -inf."""
+        return self.min_z if self.rows.filter_order == "vllm" else torch.full_like(self.min_z, NEG_INF)
 
     def kept_mass(self, sel: torch.Tensor, thr: torch.Tensor) -> torch.Tensor:
         """Integer masses ``[len(sel), columns]`` of this shard's tokens of rows ``sel`` that the
         rows keep, 0 elsewhere: the rows' final distribution, unnormalised."""
-        return self._masses(sel, thr, self.min_z)
+        return masses(*self._mass_inputs(sel, thr, self.min_z))
 
-    def _masses(self, sel: torch.Tensor, lower: torch.Tensor, min_z: torch.Tensor) -> torch.Tensor:
-        """Masses of rows ``sel`` where ``x >= lower`` and ``z >= min_z`` (both ``[B]``)."""
-        return masses(self.rows_of(sel), lower[sel].double(), self.temperature[sel], min_z[sel],
-                      self.z_max[sel], self.V)
+    def kept_total_and_at(self, sel: torch.Tensor, thr: torch.Tensor,
+                          cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row of ``sel``, this shard's total kept mass and the kept mass at column ``cols``
+        (``[len(sel)]``): the row sums and one entry of :meth:`kept_mass`, without its ``[len(sel),
+        columns]``."""
+        x, *rest = self._mass_inputs(sel, thr, self.min_z)
+        return mass_totals(x, *rest), masses(x.gather(1, cols[:, None]), *rest)[:, 0]
+
+    def _mass_inputs(self, sel: torch.Tensor, lower: torch.Tensor, min_z: torch.Tensor) -> tuple:
+        """The :func:`~vocabpar.sampling.fused.masses` arguments of rows ``sel`` (sorted,
+        distinct) counting ``x >= lower`` and ``z >= min_z`` (both ``[B]``)."""
+        return (self.rows_of(sel), lower[sel].double(), self.temperature[sel], min_z[sel], self.z_max[sel],
+                self.V)
 
     def draw(self, tokens: torch.Tensor, thr: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
         """Gumbel-max over the kept tokens (``x >= thr``, ``z >= min_z``) of the ``wanted`` rows

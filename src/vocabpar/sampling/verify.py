@@ -148,9 +148,8 @@ class _Masses:
         for start in range(0, b.numel(), block):
             s = slice(start, start + block)
             for side, first in enumerate(self._rows(b[s], i[s])):
-                m = choice.step.kept_mass(first, choice.thr)
-                local[2 * side, s] = m.sum(1)
-                local[2 * side + 1, s] = torch.where(owned[s], m.gather(1, cols[s, None])[:, 0], 0)
+                total, at = choice.step.kept_total_and_at(first, choice.thr, cols[s])
+                local[2 * side, s], local[2 * side + 1, s] = total, torch.where(owned[s], at, 0)
         total = MASSES.unpack(ranks.sum(MASSES.pack(target_total=local[0], target_token=local[1],
                                                     draft_total=local[2], draft_token=local[3])))
         u = accept_uniform(choice.step.rows.seed[b * (k + 1)], pos[b] + i)
