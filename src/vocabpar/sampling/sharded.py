@@ -70,6 +70,10 @@ from vocabpar.sampling.semantics import (
 from vocabpar.wire.records import DRAW, TOTAL, round_one
 from vocabpar.wire.scripts import MAX_CANDIDATES, SamplePath, Search, candidate_count, sample_script
 
+MASS_BLOCK = 2**22
+"""Logits per block when mass totals read a shard for many rows: bounds the eager pass's float64
+temporaries."""
+
 
 def sample(local_logits: torch.Tensor, layout: VocabLayout, params: SamplingParams, *,
            positions: torch.Tensor, group: comm.ProcessGroup = None, token_counts: TokenCounts | None = None,
@@ -385,26 +389,50 @@ class SampledRows:
 
     def kept_total_and_at(self, sel: torch.Tensor, thr: torch.Tensor,
                           cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row of ``sel``, this shard's total kept mass and the kept mass at column ``cols``
-        (``[len(sel)]``): the row sums and one entry of :meth:`kept_mass`, without its ``[len(sel),
-        columns]``."""
-        x, *rest = self._mass_inputs(sel, thr, self.min_z)
-        return mass_totals(x, *rest), masses(x.gather(1, cols[:, None]), *rest)[:, 0]
+        """Per row of ``sel`` (sorted, distinct), this shard's total kept mass and the kept mass
+        at column ``cols`` (``[len(sel)]``): the row sums and one entry of :meth:`kept_mass`,
+        without its ``[len(sel), columns]``. A row whose kept tokens all lie in round one's
+        candidates sums the candidates this rank sent (the same integers); the others read the
+        shard, ``MASS_BLOCK`` logits at a time (eager, the pass's float64 temporaries are that
+        large). One host read."""
+        lower, t, min_z, z_max, V = terms = self._row_terms(sel, thr, self.min_z)
+        at = masses(self.x[sel, cols][:, None], *terms)[:, 0]
+        sent = self.all_sent(thr)[sel]
+        count = int(sent.sum())
+        order = torch.argsort(~sent, stable=True)  # the rows whose kept tokens were all sent first
+        head, tail = order[:count], order[count:]
+        total = torch.empty_like(at)
+        mine = self.first.cand[self.ranks.me, sel[head]]  # [count, c]: the candidates this rank sent
+        total[head] = masses(mine, lower[head], t[head], min_z[head], z_max[head], V).sum(1)
+        block = max(1, MASS_BLOCK // max(self.x.shape[1], 1))
+        for part in tail.split(block):
+            total[part] = mass_totals(*self._mass_inputs(sel[part], thr, self.min_z))
+        return total, at
+
+    def all_sent(self, thr: torch.Tensor) -> torch.Tensor:
+        """Bool ``[B]``: rows whose kept tokens (``x >= thr``, ``z >= min_z``) all lie in round
+        one's candidates: nothing unsent, every unsent token below ``thr``, or every unsent
+        token below min-p."""
+        unsent_max = self.unsent_max
+        return self.nothing_unsent | (thr > unsent_max) | (unsent_max / self.temperature < self.min_z)
 
     def _mass_inputs(self, sel: torch.Tensor, lower: torch.Tensor, min_z: torch.Tensor) -> tuple:
         """The :func:`~vocabpar.sampling.fused.masses` arguments of rows ``sel`` (sorted,
         distinct) counting ``x >= lower`` and ``z >= min_z`` (both ``[B]``)."""
-        return (self.rows_of(sel), lower[sel].double(), self.temperature[sel], min_z[sel], self.z_max[sel],
-                self.V)
+        return self.rows_of(sel), *self._row_terms(sel, lower, min_z)
+
+    def _row_terms(self, sel: torch.Tensor, lower: torch.Tensor, min_z: torch.Tensor) -> tuple:
+        """:meth:`_mass_inputs` but the logits: the rows' bounds, temperature, ``z_max`` and V."""
+        return lower[sel].double(), self.temperature[sel], min_z[sel], self.z_max[sel], self.V
 
     def draw(self, tokens: torch.Tensor, thr: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
         """Gumbel-max over the kept tokens (``x >= thr``, ``z >= min_z``) of the ``wanted`` rows
         (the other sampled rows get -1): rows a search drew keep its token; rows whose kept tokens
         are all candidates are drawn locally; the rest take one all-gather of
         :data:`~vocabpar.wire.records.DRAW`, each rank's best (score, id)."""
-        B, unsent_max, min_z, t = self.x.shape[0], self.unsent_max, self.min_z, self.temperature
+        B, min_z, t = self.x.shape[0], self.min_z, self.temperature
         drawn = wanted & (self.drawn >= 0)
-        local = wanted & ~drawn & (self.nothing_unsent | (thr > unsent_max) | (unsent_max / t < min_z))
+        local = wanted & ~drawn & self.all_sent(thr)
         tokens = torch.where(drawn, self.drawn, torch.where(self.sampled & ~wanted, -1, tokens))
         # the kept candidates' best score: exact where `local`, a lower bound on the winner elsewhere
         keep = self.valid & wanted[:, None] & (self.cand >= thr[:, None]) & (self.cand_z >= min_z[:, None])

@@ -50,8 +50,6 @@ from vocabpar.sampling.sharded import Choice, choose
 from vocabpar.wire.records import DRAW, MASSES
 from vocabpar.wire.scripts import VerifyPath, verify_script
 
-MASS_BLOCK = 2**22  # logits per block of the acceptance masses: bounds the float64 temporaries
-
 
 def verify(target_logits: torch.Tensor, layout: VocabLayout, params: SamplingParams,
            draft_tokens: torch.Tensor, *, positions: torch.Tensor, draft_logits: torch.Tensor | None = None,
@@ -144,12 +142,9 @@ class _Masses:
         b, i = weighed.nonzero(as_tuple=True)
         cols, owned = layout.local_ids(drafts[b, i], ranks.me)
         local = torch.zeros(4, b.numel(), dtype=torch.long)  # target total, token; draft total, token
-        block = max(1, MASS_BLOCK // max(ranks.ids.numel(), 1))
-        for start in range(0, b.numel(), block):
-            s = slice(start, start + block)
-            for side, first in enumerate(self._rows(b[s], i[s])):
-                total, at = choice.step.kept_total_and_at(first, choice.thr, cols[s])
-                local[2 * side, s], local[2 * side + 1, s] = total, torch.where(owned[s], at, 0)
+        for side, first in enumerate(self._rows(b, i)):
+            total, at = choice.step.kept_total_and_at(first, choice.thr, cols)
+            local[2 * side], local[2 * side + 1] = total, torch.where(owned, at, 0)
         total = MASSES.unpack(ranks.sum(MASSES.pack(target_total=local[0], target_token=local[1],
                                                     draft_total=local[2], draft_token=local[3])))
         u = accept_uniform(choice.step.rows.seed[b * (k + 1)], pos[b] + i)
