@@ -87,10 +87,10 @@ FUNCTIONAL: dict[SamplerKey, HostWork] = {
     K(False, "candidates", False, True): HostWork(382, 35, 424, 38),
     K(False, "candidates", True, False): HostWork(462, 39, 794, 63),
     K(False, "candidates", True, True): HostWork(462, 39, 794, 63),
-    K(False, "search", False, False): HostWork(617, 53, 689, 56),
-    K(False, "search", False, True): HostWork(621, 53, 693, 56),
-    K(False, "search", True, False): HostWork(609, 49, 962, 73),
-    K(False, "search", True, True): HostWork(609, 49, 962, 73),
+    K(False, "search", False, False): HostWork(618, 54, 689, 56),
+    K(False, "search", False, True): HostWork(622, 54, 693, 56),
+    K(False, "search", True, False): HostWork(610, 50, 962, 73),
+    K(False, "search", True, True): HostWork(610, 50, 962, 73),
 }
 """``vocabpar.sample`` on the shards, per key (the busiest rank: one holding padding)."""
 FUNCTIONAL_VERIFY: dict[tuple[SamplerKey, bool], HostWork] = {
@@ -111,14 +111,14 @@ FUNCTIONAL_VERIFY: dict[tuple[SamplerKey, bool], HostWork] = {
     (K(False, "candidates", True, False), True): HostWork(884, 49, 1217, 73),
     (K(False, "candidates", True, True), False): HostWork(499, 43, 831, 67),
     (K(False, "candidates", True, True), True): HostWork(884, 49, 1217, 73),
-    (K(False, "search", False, False), False): HostWork(654, 57, 726, 60),
-    (K(False, "search", False, False), True): HostWork(1039, 63, 1112, 66),
-    (K(False, "search", False, True), False): HostWork(658, 57, 730, 60),
-    (K(False, "search", False, True), True): HostWork(1043, 63, 1116, 66),
-    (K(False, "search", True, False), False): HostWork(646, 53, 999, 77),
-    (K(False, "search", True, False), True): HostWork(1031, 59, 1385, 83),
-    (K(False, "search", True, True), False): HostWork(646, 53, 999, 77),
-    (K(False, "search", True, True), True): HostWork(1031, 59, 1385, 83),
+    (K(False, "search", False, False), False): HostWork(655, 58, 726, 60),
+    (K(False, "search", False, False), True): HostWork(1040, 64, 1112, 66),
+    (K(False, "search", False, True), False): HostWork(659, 58, 730, 60),
+    (K(False, "search", False, True), True): HostWork(1044, 64, 1116, 66),
+    (K(False, "search", True, False), False): HostWork(647, 54, 999, 77),
+    (K(False, "search", True, False), True): HostWork(1032, 60, 1385, 83),
+    (K(False, "search", True, True), False): HostWork(647, 54, 999, 77),
+    (K(False, "search", True, True), True): HostWork(1032, 60, 1385, 83),
 }
 """``vocabpar.sampling.verify`` on the shards, per key and whether draft logits come along (a
 greedy row ignores them)."""

@@ -108,7 +108,7 @@ def threshold_search(x: torch.Tensor, real: torch.Tensor, weight: torch.Tensor |
     scores and its best score above the bucket. A row whose bucket holds more on some rank takes
     one more round of ``2**SETTLE_BITS`` sums (and is not drawn). Only the bucket's tokens are
     carried from round to round, listed; a bucket holding more than ``1 / DENSE_SHARE`` of the
-    shard is read in place instead, and listed only once it is final."""
+    shard (counted before listing) is read in place instead, and listed only once it is final."""
     F = x.shape[0]
     split = pieces(weight_bits, x.shape[1])
     shard = (x, real, weight)
@@ -120,13 +120,15 @@ def threshold_search(x: torch.Tensor, real: torch.Tensor, weight: torch.Tensor |
     # whole key range, or the bucket holds a large share of the shard, they run on the shard in
     # place instead (one read of it per round, where a listed token costs ~ten indexed operations)
     if bool((shift < 32).all()):  # host syncs here and below: branches every rank takes alike
-        r, col = members(*shard, prefix << shift, torch.full_like(prefix, 2**33)).nonzero(as_tuple=True)
+        high = torch.full_like(prefix, 2**33)  # the bucket and everything above it
     else:
         shift, prefix, above, total, need, _ = _histogram_round(shard, None, bits, shift, prefix, above,
                                                                 total, need, ranks, split)
         rounds += 1
-        r, col = members(*shard, prefix << shift, (prefix + 1) << shift).nonzero(as_tuple=True)
-    in_place = r.numel() * DENSE_SHARE > x.numel()
+        high = (prefix + 1) << shift
+    flags = members(*shard, prefix << shift, high)
+    in_place = int(flags.sum()) * DENSE_SHARE > x.numel()
+    r, col = (None, None) if in_place else flags.nonzero(as_tuple=True)
     key = wt = None
     while True:
         bits = (shift - SETTLE_BITS).clamp(0, SEARCH_BITS)
@@ -135,7 +137,7 @@ def threshold_search(x: torch.Tensor, real: torch.Tensor, weight: torch.Tensor |
         if in_place:
             shift, prefix, above, total, need, _ = _histogram_round(shard, None, bits, shift, prefix, above,
                                                                     total, need, ranks, split)
-            r = col = None  # the listing is stale: the narrowed bucket is listed after the rounds
+            flags = None  # stale: the narrowed bucket is listed after the rounds
         else:
             if key is None:
                 key, wt = _listed(shard, r, col)
@@ -143,8 +145,9 @@ def threshold_search(x: torch.Tensor, real: torch.Tensor, weight: torch.Tensor |
                                                                        above, total, need, ranks)
             r, col, key, wt = r[keep], col[keep], key[keep], wt[keep]
         rounds += 1
-    if r is None:  # the final bucket's tokens (everything above it is in ``above``)
-        r, col = members(*shard, prefix << shift, (prefix + 1) << shift).nonzero(as_tuple=True)
+    if r is None:  # the final bucket's tokens (everything above it is in ``above`` after a round)
+        flags = members(*shard, prefix << shift, (prefix + 1) << shift) if flags is None else flags
+        r, col = flags.nonzero(as_tuple=True)
     if key is None:
         key, wt = _listed(shard, r, col)
     v, token, overflow = _settle(key, wt, r, col, shift, prefix, above, need, ranks, draw)
