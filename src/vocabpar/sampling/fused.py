@@ -30,8 +30,8 @@ from vocabpar.sampling.semantics import NEG_INF, keyed_residual_scores, mass, or
 SWITCH = "VOCABPAR_COMPILE"
 _on = [os.environ.get(SWITCH, "1") != "0"]
 OPTIONS = {"emulate_precision_casts": True, "cpp.fallback_scatter_reduce_sum": False}
-"""Inductor settings: no fused multiply-add under Triton; integer scatter-adds generated in the
-loop that computes them (exact in any order) rather than handed to ATen."""
+"""Inductor settings: no fused multiply-add under Triton; int32 scatter-adds generated in the
+loop that computes them (exact in any order) rather than handed to ATen (int64 ones always are)."""
 COMPILE_SECONDS: dict[str, float] = {}
 """Per pass, the seconds its first compiled call took in this process (compilation included)."""
 
