@@ -87,14 +87,14 @@ def _pass_inputs(F: int, R: int, seed: int) -> dict[str, tuple]:
         "residual_pass": (p, p.sum(1), q, q.sum(1).clamp(min=1), keys, ids),
         "residual_keys": (torch.arange(F) * 7, torch.arange(F) + 3),
         "first_max": (x.double(), ids),
-        "histogram": (x, real, p, shift, eleven, first >> shift, 2048, fused.pieces(bits, R)),
-        "histogram units": (x, real, None, shift, eleven, first >> shift, 2048, fused.pieces(1, R)),
+        "histogram": (x, real, p, shift, eleven, first >> shift, 2048, fused.int32_sums(bits, R)),
+        "histogram units": (x, real, None, shift, eleven, first >> shift, 2048, fused.int32_sums(1, R)),
         "members": (x, real, p, first - 2**20, first + 2**20),
         "members units": (x, real, None, first - 2**20, first + 2**20),
         "logit_histogram units": (x, ids, lower, t, min_z, z_max, V, 32, 11, zeros, 2048, True,
-                                  fused.pieces(1, R)),
+                                  fused.int32_sums(1, R)),
         "logit_histogram masses": (x, ids, lower, t, min_z, z_max, V, 21, 11, zeros + 1024, 2048, False,
-                                   fused.pieces(bits, R)),
+                                   fused.int32_sums(bits, R)),
         "digits": (*listed, 2048),
         "rank_keys": (x, ids),
         "order_keys": (x.flatten(),),
@@ -247,18 +247,15 @@ def test_tokens_compiled_equal_eager_and_the_reference_at_every_world_size(ranks
             assert torch.equal(got[2], want_top), n
 
 
-@pytest.mark.parametrize("columns", [300, 2**15 + 5])
-def test_histogram_int32_pieces_sum_exactly(columns):
-    """The compiled histograms' int32 pieces give the int64 sums for weights up to the largest
-    mass, spread or all in one bin (here run eager; the passes above pin compiled = eager)."""
-    g = torch.Generator().manual_seed(columns)
-    bits = mass_bits(129280)
-    column = torch.randint(0, 257, (3, columns), generator=g)
-    column[0] = 7
-    added = torch.randint(0, 2**bits, (3, columns), generator=g)
-    added[0] = 2**bits - 1
-    got = fused._piece_bins(column, added, 256, fused.pieces(bits, columns))
-    assert torch.equal(got, torch.zeros(3, 257, dtype=torch.long).scatter_add_(1, column, added))
-    assert got[0, 7] == columns * (2**bits - 1)
-    with pytest.raises(ValueError, match="2\\*\\*22"):
-        fused.pieces(bits, 2**22)
+def test_histogram_bins_fit_int32_only_where_no_bin_can_overflow():
+    """Counts take int32 bins; at the widest shard they allow, every token in one bin at the
+    largest weight still sums exactly (here run eager; the passes above pin compiled = eager)."""
+    assert fused.int32_sums(1, 2**29) and not fused.int32_sums(mass_bits(129280), 300)
+    columns = 2**16 - 1
+    assert fused.int32_sums(15, columns) and not fused.int32_sums(16, columns)
+    column = torch.full((2, columns), 7)
+    column[1] = torch.arange(columns) % 257
+    added = torch.full((2, columns), 2**15 - 1)
+    got = fused._int32_bins(column, added, 256)
+    assert torch.equal(got, torch.zeros(2, 257, dtype=torch.long).scatter_add_(1, column, added))
+    assert got[0, 7] == columns * (2**15 - 1) == 2**31 - 2**16 - 2**15 + 1

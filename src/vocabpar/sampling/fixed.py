@@ -18,7 +18,7 @@ import torch
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling.dense import threshold
 from vocabpar.sampling.failures import Failures
-from vocabpar.sampling.fused import best_kept, logit_histogram, mass_totals, masses, pieces, residual
+from vocabpar.sampling.fused import best_kept, int32_sums, logit_histogram, mass_totals, masses, residual
 from vocabpar.sampling.noise import row_keys
 from vocabpar.sampling.params import Rows
 from vocabpar.sampling.ranks import Ranks
@@ -143,9 +143,9 @@ class Choice:
 
         def counted(lower: torch.Tensor, pool_z: torch.Tensor, unit: bool):
             """This shard's histogram of the tokens with ``x >= lower``, ``z >= pool_z``."""
-            split = pieces(1 if unit else mass_bits(V), x.shape[1])
+            narrow = int32_sums(1 if unit else mass_bits(V), x.shape[1])
             return lambda shift, bits, prefix, top: logit_histogram(x, ids, lower, t, pool_z, z_max, V, shift,
-                                                                    bits, prefix, top, unit, split)
+                                                                    bits, prefix, top, unit, narrow)
 
         if plan.top_k_search:
             large = topk & ~exact_k

@@ -114,41 +114,28 @@ def _flags(mask: torch.Tensor) -> torch.Tensor:
     return mask.int()
 
 
-def pieces(weight_bits: int, columns: int) -> tuple[int, int]:
-    """How a histogram pass sums weights below ``2**weight_bits`` over ``columns`` tokens per row
-    in int32: ``(bits, count)``, ``count`` pieces of ``bits`` bits, so that no bin of a piece
-    can pass ``2**31 - 1``. Two widths only (16 bits below ``2**15`` columns, else 9), so a
-    pass compiles at most twice whatever the shard."""
-    if columns >= 2**22:
-        raise ValueError(f"a histogram pass sums at most 2**22 - 1 tokens per row, got {columns}")
-    bits = 16 if columns < 2**15 else 9
-    return bits, -(-weight_bits // bits)
+def int32_sums(weight_bits: int, columns: int) -> bool:
+    """Whether a histogram's bins fit int32 for ``columns`` tokens per row, each weighing below
+    ``2**weight_bits``: counts do, masses do not."""
+    return weight_bits + columns.bit_length() <= 31
 
 
-def _bins(column: torch.Tensor, added: torch.Tensor, top: int, split: tuple[int, int]) -> torch.Tensor:
-    """int64 ``[F, top + 1]``: per row, the weights ``added`` summed into their ``column``. Exact
-    in any order. Compiled, the sums run in int32 pieces (``split``: :func:`pieces`): Inductor adds
-    int32 in the loop that computes the weights, but hands an int64 scatter-add to ATen through
-    two ``[F, R]`` int64 temporaries (2.5 times the time of three pieces); eager, ATen's int64
-    scatter-add is one plain loop."""
-    if torch.compiler.is_compiling():
-        return _piece_bins(column, added, top, split)
+def _bins(column: torch.Tensor, added: torch.Tensor, top: int, narrow: bool) -> torch.Tensor:
+    """int64 ``[F, top + 1]``: per row, the weights ``added`` summed into their ``column``; exact
+    in any order. Compiled with ``narrow`` (:func:`int32_sums`), the sums run in int32, which
+    Inductor adds in the loop that computes the weights; an int64 scatter-add it hands to ATen
+    through two ``[F, R]`` int64 temporaries (4.5 times the time for counts; for masses, three
+    int32 pieces measured no faster than that, so they stay int64)."""
+    if narrow and torch.compiler.is_compiling():
+        return _int32_bins(column, added, top)
     return torch.zeros(column.shape[0], top + 1, dtype=torch.long, device=column.device).scatter_add_(
         1, column, added)
 
 
-def _piece_bins(column: torch.Tensor, added: torch.Tensor, top: int, split: tuple[int, int]) -> torch.Tensor:
-    """:func:`_bins` summed piece by piece in int32."""
-    bits, count = split
-    F = column.shape[0]
-    out = torch.zeros(F, count * (top + 1), dtype=torch.int32, device=column.device)
-    for k in range(count):
-        out = out.scatter_add(1, column + k * (top + 1), ((added >> (k * bits)) & ((1 << bits) - 1)).int())
-    parts = out.view(F, count, top + 1).long()
-    total = parts[:, 0]
-    for k in range(1, count):
-        total = total + (parts[:, k] << (k * bits))
-    return total
+def _int32_bins(column: torch.Tensor, added: torch.Tensor, top: int) -> torch.Tensor:
+    """:func:`_bins` summed in int32 (the caller guarantees no bin overflows)."""
+    out = torch.zeros(column.shape[0], top + 1, dtype=torch.int32, device=column.device)
+    return out.scatter_add(1, column, added.int()).long()
 
 
 def _masses(x: torch.Tensor, lower: torch.Tensor, temperature: torch.Tensor, min_z: torch.Tensor,
@@ -283,40 +270,44 @@ def _real_weight(real: torch.Tensor, weight: torch.Tensor | None) -> torch.Tenso
 
 @Fused
 def histogram(x: torch.Tensor, real: torch.Tensor, weight: torch.Tensor | None, shift: torch.Tensor,
-              bits: torch.Tensor, prefix: torch.Tensor, top: int, split: tuple[int, int]) -> torch.Tensor:
+              bits: torch.Tensor, prefix: torch.Tensor, top: int, narrow: bool) -> torch.Tensor:
     """int64 ``[F, top + 1]``: per row, the weight of each ``bits``-bit digit below ``shift`` of
     the shard's order keys in the bucket ``prefix``, then (column ``top``) the weight above the
     bucket; one read of the shard, nothing ``[F, R]``-sized written. ``x``: float32 ``[F, R]``;
     ``real``: bool ``[R]``; ``weight``: int64 ``[F, R]``, or None for 1 per real token;
-    ``shift``, ``bits``, ``prefix``: per row ``[F]``; ``split``: :func:`pieces` of the weights."""
+    ``shift``, ``bits``, ``prefix``: per row ``[F]``; ``narrow``: :func:`int32_sums` of the
+    weights."""
     shifts = (shift[:, None], bits[:, None], prefix[:, None])
     column, added, _ = _digits(_shard_keys(x, real), _real_weight(real, weight), *shifts, top)
-    return _bins(column, added, top, split)
+    return _bins(column, added, top, narrow)
 
 
 @Fused
 def logit_histogram(x: torch.Tensor, ids: torch.Tensor, lower: torch.Tensor, temperature: torch.Tensor,
                     min_z: torch.Tensor, z_max: torch.Tensor, vocab_size: int, shift: int, bits: int,
-                    prefix: torch.Tensor, top: int, unit: bool, split: tuple[int, int]) -> torch.Tensor:
+                    prefix: torch.Tensor, top: int, unit: bool, narrow: bool) -> torch.Tensor:
     """:func:`histogram` of this shard's order keys weighted by 1 (``unit``) or by the exact mass
     of each token with ``x >= lower`` and ``z = x / t >= min_z`` (0 elsewhere), computed from the
     logits in the same loop: one read of ``x`` per round, nothing ``[F, R]``-sized written.
     ``x``: float32 ``[F, R]``; ``ids``: ``[R]`` (-1: padding, weight 0); ``prefix`` and the
-    rest per row ``[F]``; ``split``: :func:`pieces` of the weights."""
+    rest per row ``[F]``; ``narrow``: :func:`int32_sums` of the weights."""
     keys = _shard_keys(x, ids >= 0)
     z, kept = _kept(x, lower, temperature, min_z)
     weight = torch.where(kept & (ids >= 0), 1 if unit else mass(z, z_max[:, None], vocab_size), 0)
     column, added, _ = _digits(keys, weight, shift, bits, prefix[:, None], top)
-    return _bins(column, added, top, split)
+    return _bins(column, added, top, narrow)
 
 
 @Fused
 def members(x: torch.Tensor, real: torch.Tensor, weight: torch.Tensor | None, low: torch.Tensor,
-            high: torch.Tensor) -> torch.Tensor:
+            high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int32 ``[F, R]``, 1 for the tokens whose order key lies in ``[low, high)`` and whose weight
-    is positive (``x``, ``real``, ``weight`` as in :func:`histogram`; ``low``, ``high``: ``[F]``)."""
+    is positive, and their count per row (int64 ``[F]``, from the same loop: an eager sum of the
+    flags is a second, slower pass). ``x``, ``real``, ``weight`` as in :func:`histogram`; ``low``,
+    ``high``: ``[F]``."""
     keys = _shard_keys(x, real)
-    return _flags((keys >= low[:, None]) & (keys < high[:, None]) & (_real_weight(real, weight) > 0))
+    flags = _flags((keys >= low[:, None]) & (keys < high[:, None]) & (_real_weight(real, weight) > 0))
+    return flags, flags.sum(1)
 
 
 rank_keys = Fused(rank_key)

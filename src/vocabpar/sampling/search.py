@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vocabpar.sampling.fused import digits, histogram, members, order_keys, pieces, reachable, scored
+from vocabpar.sampling.fused import digits, histogram, int32_sums, members, order_keys, reachable, scored
 from vocabpar.sampling.noise import gumbel_bound
 from vocabpar.sampling.ranks import Ranks
 from vocabpar.sampling.semantics import NEG_INF, key_value, merge_argmax, row_argmax
@@ -110,7 +110,7 @@ def threshold_search(x: torch.Tensor, real: torch.Tensor, weight: torch.Tensor |
     carried from round to round, listed; a bucket holding more than ``1 / DENSE_SHARE`` of the
     shard (counted before listing) is read in place instead, and listed only once it is final."""
     F = x.shape[0]
-    split = pieces(weight_bits, x.shape[1])
+    narrow = int32_sums(weight_bits, x.shape[1])
     shard = (x, real, weight)
     shift = bit_length(lo ^ hi)
     prefix = hi >> shift
@@ -123,11 +123,11 @@ def threshold_search(x: torch.Tensor, real: torch.Tensor, weight: torch.Tensor |
         high = torch.full_like(prefix, 2**33)  # the bucket and everything above it
     else:
         shift, prefix, above, total, need, _ = _histogram_round(shard, None, bits, shift, prefix, above,
-                                                                total, need, ranks, split)
+                                                                total, need, ranks, narrow)
         rounds += 1
         high = (prefix + 1) << shift
-    flags = members(*shard, prefix << shift, high)
-    in_place = int(flags.sum()) * DENSE_SHARE > x.numel()
+    flags, count = members(*shard, prefix << shift, high)
+    in_place = int(count.sum()) * DENSE_SHARE > x.numel()
     r, col = (None, None) if in_place else flags.nonzero(as_tuple=True)
     key = wt = None
     while True:
@@ -136,7 +136,7 @@ def threshold_search(x: torch.Tensor, real: torch.Tensor, weight: torch.Tensor |
             break
         if in_place:
             shift, prefix, above, total, need, _ = _histogram_round(shard, None, bits, shift, prefix, above,
-                                                                    total, need, ranks, split)
+                                                                    total, need, ranks, narrow)
             flags = None  # stale: the narrowed bucket is listed after the rounds
         else:
             if key is None:
@@ -146,7 +146,7 @@ def threshold_search(x: torch.Tensor, real: torch.Tensor, weight: torch.Tensor |
             r, col, key, wt = r[keep], col[keep], key[keep], wt[keep]
         rounds += 1
     if r is None:  # the final bucket's tokens (everything above it is in ``above`` after a round)
-        flags = members(*shard, prefix << shift, (prefix + 1) << shift) if flags is None else flags
+        flags = members(*shard, prefix << shift, (prefix + 1) << shift)[0] if flags is None else flags
         r, col = flags.nonzero(as_tuple=True)
     if key is None:
         key, wt = _listed(shard, r, col)
@@ -206,19 +206,19 @@ def _settle(key, wt, r, col, shift, prefix, above, need, ranks: Ranks, draw: Dra
 
 
 def _histogram_round(tokens, r, bits, shift, prefix, above, total, need, ranks: Ranks,
-                     split: tuple[int, int] | None = None):
+                     narrow: bool = False):
     """One all-reduce: per row, the weights of the ``2**bits`` digits below the bucket's prefix
     (and, in the first round, of everything above the bucket); keep the digit holding the
     threshold. ``tokens``: the keys and weights ``[N]`` of listed tokens of rows ``r``, or (``r``
-    None) the shard as :func:`threshold_search` takes it, ``(x, real, weight)``, with ``split``
-    its weights' :func:`~vocabpar.sampling.fused.pieces`. Returns the narrowed (shift, prefix,
+    None) the shard as :func:`threshold_search` takes it, ``(x, real, weight)``, with ``narrow``
+    its weights' :func:`~vocabpar.sampling.fused.int32_sums`. Returns the narrowed (shift, prefix,
     above), the total and ``need`` once known, and which listed tokens stay in the bucket (None
     for the whole shard)."""
     F = prefix.shape[0]
     top, words = 1 << SEARCH_BITS, HISTOGRAM.words()  # column top: above the bucket; below weighs nothing
     keep = None
     if r is None:
-        hist = histogram(*tokens, shift, bits, prefix, top, split)
+        hist = histogram(*tokens, shift, bits, prefix, top, narrow)
     else:
         key, wt = tokens
         digit, weight, inside = digits(key, wt, shift[r], bits[r], prefix[r], top)
