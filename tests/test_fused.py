@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ from vocabpar import (
 from vocabpar.launch import run
 from vocabpar.sampling import Sampler, fused, verify
 from vocabpar.sampling.noise import gumbel_bound, row_keys
-from vocabpar.sampling.semantics import mass_bits, order_key, rank_key
+from vocabpar.sampling.semantics import mass_bits, mass_shift, order_key, rank_key
 
 V, B, K, TOP_N = 3000, 6, 2, 3
 PARAMS = {
@@ -67,10 +68,11 @@ def _pass_inputs(F: int, R: int, seed: int) -> dict[str, tuple]:
     lower = torch.where(torch.arange(F) % 2 == 0, x.double().quantile(0.3, 1), float("-inf"))
     min_z = z_max - 3
     keys = row_keys(torch.arange(F) + seed, torch.arange(F) * 3)
-    p = fused.masses(x, lower, t, min_z, z_max, V)
+    scale = mass_shift(V) - seed % 3  # one graph serves every vocabulary size (pinned by the graph count)
+    p = fused.masses(x, lower, t, min_z, z_max, scale)
     bits, real, eleven = mass_bits(V), ids >= 0, torch.full((F,), 11)
     first = order_key(x[:, 0]) + 2**31  # keys of the rows' first column
-    q = fused.masses(x.flip(1), lower, t, min_z, z_max, V)
+    q = fused.masses(x.flip(1), lower, t, min_z, z_max, scale)
     shift = torch.randint(11, 33, (F,), generator=g)  # at least the 11 bits it reads
     order = torch.randint(0, 2**32, (F, R), generator=g)
     zeros = torch.zeros(F, dtype=torch.long)
@@ -78,9 +80,9 @@ def _pass_inputs(F: int, R: int, seed: int) -> dict[str, tuple]:
     listed = [t.expand(F, R).flatten().clone() for t in (order, p, *per_token)]  # copies, as the search lists
     entry_ids = torch.where(x > -2, ids.expand(F, R), -1)  # merged candidates: ids per entry
     return {
-        "masses": (x, lower, t, min_z, z_max, V),
-        "masses candidates": (x.double(), lower, t, min_z, z_max, V),
-        "mass_totals": (x, lower, t, min_z, z_max, V),
+        "masses": (x, lower, t, min_z, z_max, scale),
+        "masses candidates": (x.double(), lower, t, min_z, z_max, scale),
+        "mass_totals": (x, lower, t, min_z, z_max, scale),
         "best_kept": (x, ids, lower, t, min_z, keys),
         "best_kept candidates": (x.double(), entry_ids, lower, t, min_z, keys),
         "reachable": (x, ids, lower, t, min_z, z_max + 3.5, keys[:, 0].contiguous(), gumbel_bound()),
@@ -91,9 +93,9 @@ def _pass_inputs(F: int, R: int, seed: int) -> dict[str, tuple]:
         "histogram units": (x, real, None, shift, eleven, first >> shift, 2048, fused.int32_sums(1, R)),
         "members": (x, real, p, first - 2**20, first + 2**20),
         "members units": (x, real, None, first - 2**20, first + 2**20),
-        "logit_histogram units": (x, ids, lower, t, min_z, z_max, V, 32, 11, zeros, 2048, True,
+        "logit_histogram units": (x, ids, lower, t, min_z, z_max, scale, 32, 11, zeros, 2048, True,
                                   fused.int32_sums(1, R)),
-        "logit_histogram masses": (x, ids, lower, t, min_z, z_max, V, 21, 11, zeros + 1024, 2048, False,
+        "logit_histogram masses": (x, ids, lower, t, min_z, z_max, scale, 21, 11, zeros + 1024, 2048, False,
                                    fused.int32_sums(bits, R)),
         "digits": (*listed, 2048),
         "rank_keys": (x, ids),
@@ -171,6 +173,27 @@ COMPILERS = 2
 wait: every rank then loads every pass from Inductor's on-disk cache."""
 
 
+def _graphs(fn) -> int:
+    """How many graphs Dynamo holds for ``fn`` in this process."""
+    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__))
+
+
+def _specialising(x: torch.Tensor, n: int) -> torch.Tensor:
+    """A pass that compiles once per value of ``n`` (``bit_length`` specialises it)."""
+    return x + n.bit_length()
+
+
+def _past_the_recompile_limit() -> dict:
+    """A pass called in more conventions than Dynamo's recompile limit (2 here): the outputs,
+    the warnings, its state and its graphs."""
+    specialising, x = fused.Fused(_specialising), torch.arange(3.0)
+    with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(recompile_limit=2):
+        warnings.simplefilter("always")
+        got = [specialising(x, n) for n in (1, 2, 4, 8, 1)]
+    return {"got": got, "warnings": [str(w.message) for w in caught if w.category is RuntimeWarning],
+            "broken": specialising.broken, "full": specialising.full, "graphs": _graphs(_specialising)}
+
+
 def _ranks_job(world: int) -> dict:
     """Every check on this rank, compiled: its share of the passes (in every calling convention)
     at several shapes against eager, then at each world size 1..``world`` (subgroups of the first
@@ -183,6 +206,8 @@ def _ranks_job(world: int) -> dict:
         for F, R in SHAPES:
             share = slice(comm.rank(), None, COMPILERS) if comm.rank() < COMPILERS else slice(0)
             out["passes"] |= _check_passes(F, R, share)
+        if comm.rank() == COMPILERS:  # a rank that waits for the compilers meanwhile
+            out["limit"] = _past_the_recompile_limit()
         dist.barrier()
         out["passes"] |= _check_passes(2, 5, slice(None))  # every pass, loaded from the cache
         for n in range(1, world + 1):
@@ -190,8 +215,7 @@ def _ranks_job(world: int) -> dict:
                 out["tokens"] |= _tokens(n, groups[n])
     out["compiled"] = sorted(fused.COMPILE_SECONDS)
     out["broken"] = sorted(k for k, f in KERNELS.items() if f.broken)
-    out["graphs"] = {name: len(torch._dynamo.eval_frame._debug_get_cache_entry_list(f.fn.__code__))
-                     for name, f in KERNELS.items()}
+    out["graphs"] = {name: _graphs(f.fn) for name, f in KERNELS.items()}
     return out
 
 
@@ -245,6 +269,14 @@ def test_tokens_compiled_equal_eager_and_the_reference_at_every_world_size(ranks
         for got, want in zip(compiled, eager, strict=True):  # functional, then the engine
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), n
             assert torch.equal(got[2], want_top), n
+
+
+def test_past_the_recompile_limit_new_conventions_run_eager_and_the_compiled_ones_stay(ranks):
+    limit = ranks[COMPILERS]["limit"]
+    x = torch.arange(3.0)
+    assert all(torch.equal(got, x + n.bit_length()) for got, n in zip(limit["got"], (1, 2, 4, 8, 1)))
+    assert len(limit["warnings"]) == 1 and "recompile limit" in limit["warnings"][0], limit["warnings"]
+    assert limit["full"] and not limit["broken"] and limit["graphs"] == 2
 
 
 def test_histogram_bins_fit_int32_only_where_no_bin_can_overflow():

@@ -31,6 +31,7 @@ from vocabpar.sampling.semantics import (
     key_value,
     mass,
     mass_bits,
+    mass_shift,
     merge_argmax,
     min_p_threshold,
     order_key,
@@ -101,7 +102,7 @@ class Choice:
     def _mass_inputs(self, sel: torch.Tensor) -> tuple:
         """The :func:`~vocabpar.sampling.fused.masses` arguments of the kept tokens of rows ``sel``."""
         return (self.x[sel], self.thr[sel].double(), self.temperature[sel], self.min_z[sel], self.z_max[sel],
-                self.vocab)
+                mass_shift(self.vocab))
 
     @cached_property
     def z(self) -> torch.Tensor:
@@ -139,13 +140,13 @@ class Choice:
         exact_k = topk & ((k <= c) | all_sent)
         kth = key_sorted.gather(1, (k - 1).clamp(0, max(n * c - 1, 0))[:, None])[:, 0]
         kappa = torch.where(exact_k, torch.where(kth == PAD_KEY, NEG_INF, key_value(kth)), NEG_INF)
-        ids, no_min = self.ids, torch.full_like(min_z, NEG_INF)
+        ids, no_min, scale = self.ids, torch.full_like(min_z, NEG_INF), mass_shift(V)
 
         def counted(lower: torch.Tensor, pool_z: torch.Tensor, unit: bool):
             """This shard's histogram of the tokens with ``x >= lower``, ``z >= pool_z``."""
             narrow = int32_sums(1 if unit else mass_bits(V), x.shape[1])
-            return lambda shift, bits, prefix, top: logit_histogram(x, ids, lower, t, pool_z, z_max, V, shift,
-                                                                    bits, prefix, top, unit, narrow)
+            return lambda shift, bits, prefix, top: logit_histogram(
+                x, ids, lower, t, pool_z, z_max, scale, shift, bits, prefix, top, unit, narrow)
 
         if plan.top_k_search:
             large = topk & ~exact_k
@@ -156,7 +157,7 @@ class Choice:
         topp = sampled & (rows.top_p < 1)
         order = rows.filter_order
         pool = valid & top_p_pool(cand, cand_z, kappa[:, None], min_z[:, None], order)
-        cand_mass = masses(cand, kappa.double(), t, min_z if order == "vllm" else no_min, z_max, V)
+        cand_mass = masses(cand, kappa.double(), t, min_z if order == "vllm" else no_min, z_max, scale)
         last = first.values[..., c - 1]  # [n, B]: each rank's c-th value
         sent_tied = ((first.values == last[..., None]) & (first.ids >= 0)).sum(2)
         tied = torch.where(unsent[:, None] & (last == kappa[None]), first.ties - sent_tied, 0).sum(0)

@@ -8,9 +8,10 @@ C++, ``emulate_precision_casts`` for Triton). Each pass compiles once per proces
 dimension dynamic (unbacked, so sizes 0 and 1 do not specialise it): changing the batch, the
 positions or the parameters never recompiles; Inductor's on-disk cache serves later processes.
 ``VOCABPAR_COMPILE=0`` (or :func:`compiling`) runs everything eager; a pass whose compilation
-fails warns once and runs eager. Empty inputs run eager (compiled code never sees a size 0).
-Small inputs run compiled too: a compiled call costs tens of microseconds, the eager ``log`` of
-:mod:`vocabpar.exactmath` alone some thirty operations.
+fails warns once and runs eager, and so does a calling convention past Dynamo's recompile
+limit. Empty inputs run eager (compiled code never sees a size 0). Small inputs run compiled
+too: a compiled call costs tens of microseconds, the eager ``log`` of :mod:`vocabpar.exactmath`
+alone some thirty operations.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from vocabpar.sampling.noise import gumbel, gumbel_bucket, row_keys
-from vocabpar.sampling.semantics import NEG_INF, keyed_residual_scores, mass, order_key, rank_key
+from vocabpar.sampling.semantics import NEG_INF, keyed_residual_scores, order_key, rank_key, scaled_mass
 
 SWITCH = "VOCABPAR_COMPILE"
 _on = [os.environ.get(SWITCH, "1") != "0"]
@@ -51,7 +52,7 @@ class Fused:
     ``options``: Inductor settings for this pass on top of :data:`OPTIONS`."""
 
     def __init__(self, fn: Callable[..., object], options: dict[str, object] | None = None) -> None:
-        self.fn, self.compiled, self.broken = fn, None, False
+        self.fn, self.compiled, self.broken, self.full = fn, None, False, False
         self.options = OPTIONS | (options or {})
         functools.update_wrapper(self, fn)
 
@@ -65,27 +66,35 @@ class Fused:
         for t in tensors:
             for dim in range(t.dim()):
                 torch._dynamo.decorators.mark_unbacked(t, dim)
-        if self.compiled is None:
-            return self._first(args)
-        return self.compiled(*args)
-
-    def _first(self, args: tuple[object, ...]) -> object:
-        """Compile and run; on a compiler failure run eager from now on (a bad input raises
-        from the eager run as it would without compilation)."""
+        if self.compiled is not None:
+            return self._compiled_or_eager(args)
         known = set(torch._inductor.list_options())  # a setting this torch lacks is left out, not fatal
         options = {k: v for k, v in self.options.items() if k in known}
         self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True, options=options)
         start = time.perf_counter()
-        try:
-            out = self.compiled(*args)
-        except Exception as error:  # noqa: BLE001 -- a missing compiler surfaces as any of several types
-            out = self.fn(*args)
-            self.broken = True
-            warnings.warn(f"vocabpar: compiling {self.__name__} failed, running it eager "
-                          f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})",
-                          RuntimeWarning, stacklevel=3)
+        out = self._compiled_or_eager(args)
         COMPILE_SECONDS[self.__name__] = time.perf_counter() - start
         return out
+
+    def _compiled_or_eager(self, args: tuple[object, ...]) -> object:
+        """The compiled call, or the eager one where compiling fails (a bad input then raises from
+        the eager run, as it would without compilation). Past Dynamo's recompile limit a new
+        calling convention runs eager alone, the compiled ones stay; any other compiler failure
+        makes the pass eager from now on. Each warns once per pass."""
+        try:
+            return self.compiled(*args)
+        except Exception as error:  # noqa: BLE001 -- a missing compiler surfaces as any of several types
+            out = self.fn(*args)
+            if not isinstance(error, torch._dynamo.exc.FailOnRecompileLimitHit):
+                self.broken = True
+                warnings.warn(f"vocabpar: compiling {self.__name__} failed, running it eager "
+                              f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})",
+                              RuntimeWarning, stacklevel=4)
+            elif not self.full:
+                self.full = True
+                warnings.warn(f"vocabpar: {self.__name__} reached Dynamo's recompile limit: calling "
+                              f"conventions it has not compiled yet run eager", RuntimeWarning, stacklevel=4)
+            return out
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -139,11 +148,12 @@ def _int32_bins(column: torch.Tensor, added: torch.Tensor, top: int) -> torch.Te
 
 
 def _masses(x: torch.Tensor, lower: torch.Tensor, temperature: torch.Tensor, min_z: torch.Tensor,
-            z_max: torch.Tensor, vocab_size: int) -> torch.Tensor:
+            z_max: torch.Tensor, scale: int) -> torch.Tensor:
     """int64 ``[F, R]``: the exact mass of each token with ``x >= lower`` and ``z = x / t >=
-    min_z``, 0 elsewhere. ``x``: float32 ``[F, R]``; the rest float64 ``[F]``."""
+    min_z``, 0 elsewhere. ``x``: float32 ``[F, R]``; ``scale``: ``mass_shift`` of the vocabulary;
+    the rest float64 ``[F]``."""
     z, kept = _kept(x, lower, temperature, min_z)
-    return torch.where(kept, mass(z, z_max[:, None], vocab_size), 0)
+    return torch.where(kept, scaled_mass(z, z_max[:, None], scale), 0)
 
 
 masses = Fused(_masses)
@@ -151,10 +161,10 @@ masses = Fused(_masses)
 
 @Fused
 def mass_totals(x: torch.Tensor, lower: torch.Tensor, temperature: torch.Tensor, min_z: torch.Tensor,
-                z_max: torch.Tensor, vocab_size: int) -> torch.Tensor:
+                z_max: torch.Tensor, scale: int) -> torch.Tensor:
     """int64 ``[F]``: the row sums of :func:`masses` (same arguments), without writing ``[F, R]``
     (a third less time)."""
-    return _masses(x, lower, temperature, min_z, z_max, vocab_size).sum(1)
+    return _masses(x, lower, temperature, min_z, z_max, scale).sum(1)
 
 
 @Fused
@@ -284,7 +294,7 @@ def histogram(x: torch.Tensor, real: torch.Tensor, weight: torch.Tensor | None, 
 
 @Fused
 def logit_histogram(x: torch.Tensor, ids: torch.Tensor, lower: torch.Tensor, temperature: torch.Tensor,
-                    min_z: torch.Tensor, z_max: torch.Tensor, vocab_size: int, shift: int, bits: int,
+                    min_z: torch.Tensor, z_max: torch.Tensor, scale: int, shift: int, bits: int,
                     prefix: torch.Tensor, top: int, unit: bool, narrow: bool) -> torch.Tensor:
     """:func:`histogram` of this shard's order keys weighted by 1 (``unit``) or by the exact mass
     of each token with ``x >= lower`` and ``z = x / t >= min_z`` (0 elsewhere), computed from the
@@ -293,7 +303,7 @@ def logit_histogram(x: torch.Tensor, ids: torch.Tensor, lower: torch.Tensor, tem
     rest per row ``[F]``; ``narrow``: :func:`int32_sums` of the weights."""
     keys = _shard_keys(x, ids >= 0)
     z, kept = _kept(x, lower, temperature, min_z)
-    weight = torch.where(kept & (ids >= 0), 1 if unit else mass(z, z_max[:, None], vocab_size), 0)
+    weight = torch.where(kept & (ids >= 0), 1 if unit else scaled_mass(z, z_max[:, None], scale), 0)
     column, added, _ = _digits(keys, weight, shift, bits, prefix[:, None], top)
     return _bins(column, added, top, narrow)
 

@@ -191,9 +191,16 @@ def mass_bits(vocab_size: int) -> int:
 
 
 def mass(z: torch.Tensor, zmax: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Exact fixed-point weight (int64) of each token: ``floor(exp(z - zmax) * 2**s)``
-    (:func:`vocabpar.exactmath.exp_fixed`: the same integers eager or compiled)."""
-    return exactmath.exp_fixed(z - zmax, mass_shift(vocab_size))
+    """Exact fixed-point weight (int64) of each token: ``floor(exp(z - zmax) * 2**s)`` with
+    ``s = mass_shift(vocab_size)`` (:func:`scaled_mass`)."""
+    return scaled_mass(z, zmax, mass_shift(vocab_size))
+
+
+def scaled_mass(z: torch.Tensor, zmax: torch.Tensor, scale: int) -> torch.Tensor:
+    """``floor(exp(z - zmax) * 2**scale)`` (int64, :func:`vocabpar.exactmath.exp_fixed`: the same
+    integers eager or compiled). Compiled code takes ``scale`` as a symbol: one graph serves every
+    vocabulary size, where ``vocab_size.bit_length()`` would compile one per size."""
+    return exactmath.exp_fixed(z - zmax, scale)
 
 
 def top_p_target(total: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -337,7 +337,8 @@ class SampledRows:
         topp = self.sampled & (self.rows.top_p < 1)
         if not topp.any():
             return tau
-        cand_mass = masses(cand, kappa.double(), t, self.pool_min_z, z_max, V)  # padding: -inf, mass 0
+        # padding: -inf, mass 0
+        cand_mass = masses(cand, kappa.double(), t, self.pool_min_z, z_max, mass_shift(V))
         total = cand_mass.sum(1)
         complete = self.nothing_unsent | (kappa > unsent_max)  # unsent tokens are <= unsent_max
         if order == "vllm":  # no unsent token passes min-p
@@ -395,7 +396,7 @@ class SampledRows:
         candidates sums the candidates this rank sent (the same integers); the others read the
         shard, ``MASS_BLOCK`` logits at a time (eager, the pass's float64 temporaries are that
         large). One host read."""
-        lower, t, min_z, z_max, V = terms = self._row_terms(sel, thr, self.min_z)
+        lower, t, min_z, z_max, scale = terms = self._row_terms(sel, thr, self.min_z)
         at = masses(self.x[sel, cols][:, None], *terms)[:, 0]
         sent = self.all_sent(thr)[sel]
         count = int(sent.sum())
@@ -403,7 +404,7 @@ class SampledRows:
         head, tail = order[:count], order[count:]
         total = torch.empty_like(at)
         mine = self.first.cand[self.ranks.me, sel[head]]  # [count, c]: the candidates this rank sent
-        total[head] = masses(mine, lower[head], t[head], min_z[head], z_max[head], V).sum(1)
+        total[head] = masses(mine, lower[head], t[head], min_z[head], z_max[head], scale).sum(1)
         block = max(1, MASS_BLOCK // max(self.x.shape[1], 1))
         for part in tail.split(block):
             total[part] = mass_totals(*self._mass_inputs(sel[part], thr, self.min_z))
@@ -422,8 +423,9 @@ class SampledRows:
         return self.rows_of(sel), *self._row_terms(sel, lower, min_z)
 
     def _row_terms(self, sel: torch.Tensor, lower: torch.Tensor, min_z: torch.Tensor) -> tuple:
-        """:meth:`_mass_inputs` but the logits: the rows' bounds, temperature, ``z_max`` and V."""
-        return lower[sel].double(), self.temperature[sel], min_z[sel], self.z_max[sel], self.V
+        """:meth:`_mass_inputs` but the logits: the rows' bounds, temperature, ``z_max`` and the
+        masses' ``mass_shift``."""
+        return lower[sel].double(), self.temperature[sel], min_z[sel], self.z_max[sel], mass_shift(self.V)
 
     def draw(self, tokens: torch.Tensor, thr: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
         """Gumbel-max over the kept tokens (``x >= thr``, ``z >= min_z``) of the ``wanted`` rows
