@@ -6,6 +6,10 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
+# pytest processes, each taking whole test files (module fixtures launch ranks once per file): two
+# keep both cores of a 2-core machine busy while the other one runs single-threaded references
+WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -n $(WORKERS) --dist loadfile
 
 .PHONY: demo test lint install clean bench
 
@@ -28,8 +32,8 @@ demo: install
 # fails here rather than on a user's machine.
 test: install
 	$(BIN)/ruff check src tests benchmarks scripts examples
-	$(BIN)/python -m pytest
-	ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=AVX2 $(BIN)/python -m pytest -m "exact and not once" -q
+	$(PYTEST)
+	ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=AVX2 $(PYTEST) -m "exact and not once" -q
 
 # every benchmark, its tables and progress as they come (about 15 minutes on 2 cores); for a
 # one-minute smoke run: `.venv/bin/vocabpar bench --quick`
