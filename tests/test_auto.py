@@ -20,7 +20,7 @@ def _switch(bandwidth: float) -> plan.Switch:
 
 
 GREEDY = _switch(3e8)  # greedy decode: gathering wins below 3 rows; verifying 2 drafts: below 2
-SAMPLED = _switch(1e8)  # the demo's sampled step (top-k 200, top-p 0.95): below 4 rows
+SAMPLED = _switch(1e8)  # the demo's sampled step (top-k 200, top-p 0.95): below 3 rows
 
 
 def plan_greedy():
@@ -37,7 +37,7 @@ def _params(sampled: bool, batch: int):
 
 CASES = {  # name: (switch, sampled, speculative, the two batches around the crossover)
     "greedy": (GREEDY, False, False, (2, 3)),
-    "sampled": (SAMPLED, True, False, (3, 4)),
+    "sampled": (SAMPLED, True, False, (2, 3)),
     "speculative": (GREEDY, False, True, (1, 2)),
 }
 

@@ -88,6 +88,8 @@ def _pass_inputs(F: int, R: int, seed: int) -> dict[str, tuple]:
         "reachable": (x, ids, lower, t, min_z, z_max + 3.5, keys[:, 0].contiguous(), gumbel_bound()),
         "residual_pass": (p, p.sum(1), q, q.sum(1).clamp(min=1), keys, ids),
         "residual_keys": (torch.arange(F) * 7, torch.arange(F) + 3),
+        "sample_keys": (torch.arange(F) * 2**40 + seed, torch.arange(F) * 5),
+        "accept_uniforms": (torch.arange(F)[:, None].expand(F, 3), torch.arange(3 * F).view(F, 3)),
         "first_max": (x.double(), ids),
         "histogram": (x, real, p, shift, eleven, first >> shift, 2048, fused.int32_sums(bits, R)),
         "histogram units": (x, real, None, shift, eleven, first >> shift, 2048, fused.int32_sums(1, R)),
@@ -107,7 +109,8 @@ def _pass_inputs(F: int, R: int, seed: int) -> dict[str, tuple]:
 
 KERNELS = {"masses": fused.masses, "mass_totals": fused.mass_totals, "best_kept": fused.best_kept,
            "reachable": fused.reachable, "residual_pass": fused.residual_pass,
-           "residual_keys": fused.residual_keys, "first_max": fused.first_max, "digits": fused.digits,
+           "residual_keys": fused.residual_keys, "sample_keys": fused.sample_keys,
+           "accept_uniforms": fused.accept_uniforms, "first_max": fused.first_max, "digits": fused.digits,
            "histogram": fused.histogram, "logit_histogram": fused.logit_histogram, "members": fused.members,
            "scored": fused.scored, "rank_keys": fused.rank_keys, "order_keys": fused.order_keys}
 

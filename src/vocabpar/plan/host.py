@@ -79,46 +79,46 @@ def sampler_key(temperature: float, top_k: int, top_p: float, min_p: float, voca
 K = SamplerKey
 FUNCTIONAL: dict[SamplerKey, HostWork] = {
     K(True): HostWork(107, 16, 107, 16),
-    K(False, "none", False, False): HostWork(416, 34, 416, 34),
-    K(False, "none", False, True): HostWork(370, 31, 412, 34),
-    K(False, "none", True, False): HostWork(459, 35, 782, 59),
-    K(False, "none", True, True): HostWork(459, 35, 782, 59),
-    K(False, "candidates", False, False): HostWork(382, 35, 424, 38),
-    K(False, "candidates", False, True): HostWork(382, 35, 424, 38),
-    K(False, "candidates", True, False): HostWork(462, 39, 794, 63),
-    K(False, "candidates", True, True): HostWork(462, 39, 794, 63),
-    K(False, "search", False, False): HostWork(618, 54, 689, 56),
-    K(False, "search", False, True): HostWork(622, 54, 693, 56),
-    K(False, "search", True, False): HostWork(610, 50, 962, 73),
-    K(False, "search", True, True): HostWork(610, 50, 962, 73),
+    K(False, "none", False, False): HostWork(258, 34, 258, 34),
+    K(False, "none", False, True): HostWork(212, 31, 254, 34),
+    K(False, "none", True, False): HostWork(301, 35, 624, 59),
+    K(False, "none", True, True): HostWork(301, 35, 624, 59),
+    K(False, "candidates", False, False): HostWork(224, 35, 266, 38),
+    K(False, "candidates", False, True): HostWork(224, 35, 266, 38),
+    K(False, "candidates", True, False): HostWork(304, 39, 636, 63),
+    K(False, "candidates", True, True): HostWork(304, 39, 636, 63),
+    K(False, "search", False, False): HostWork(460, 54, 531, 56),
+    K(False, "search", False, True): HostWork(464, 54, 535, 56),
+    K(False, "search", True, False): HostWork(452, 50, 804, 73),
+    K(False, "search", True, True): HostWork(452, 50, 804, 73),
 }
 """``vocabpar.sample`` on the shards, per key (the busiest rank: one holding padding)."""
 FUNCTIONAL_VERIFY: dict[tuple[SamplerKey, bool], HostWork] = {
     (K(True), False): HostWork(143, 20, 143, 20),
-    (K(False, "none", False, False), False): HostWork(445, 38, 445, 38),
-    (K(False, "none", False, False), True): HostWork(831, 44, 831, 44),
-    (K(False, "none", False, True), False): HostWork(407, 35, 449, 38),
-    (K(False, "none", False, True), True): HostWork(792, 41, 835, 44),
-    (K(False, "none", True, False), False): HostWork(496, 39, 819, 63),
-    (K(False, "none", True, False), True): HostWork(881, 45, 1205, 69),
-    (K(False, "none", True, True), False): HostWork(496, 39, 819, 63),
-    (K(False, "none", True, True), True): HostWork(881, 45, 1205, 69),
-    (K(False, "candidates", False, False), False): HostWork(419, 39, 461, 42),
-    (K(False, "candidates", False, False), True): HostWork(804, 45, 847, 48),
-    (K(False, "candidates", False, True), False): HostWork(419, 39, 461, 42),
-    (K(False, "candidates", False, True), True): HostWork(804, 45, 847, 48),
-    (K(False, "candidates", True, False), False): HostWork(499, 43, 831, 67),
-    (K(False, "candidates", True, False), True): HostWork(884, 49, 1217, 73),
-    (K(False, "candidates", True, True), False): HostWork(499, 43, 831, 67),
-    (K(False, "candidates", True, True), True): HostWork(884, 49, 1217, 73),
-    (K(False, "search", False, False), False): HostWork(655, 58, 726, 60),
-    (K(False, "search", False, False), True): HostWork(1040, 64, 1112, 66),
-    (K(False, "search", False, True), False): HostWork(659, 58, 730, 60),
-    (K(False, "search", False, True), True): HostWork(1044, 64, 1116, 66),
-    (K(False, "search", True, False), False): HostWork(647, 54, 999, 77),
-    (K(False, "search", True, False), True): HostWork(1032, 60, 1385, 83),
-    (K(False, "search", True, True), False): HostWork(647, 54, 999, 77),
-    (K(False, "search", True, True), True): HostWork(1032, 60, 1385, 83),
+    (K(False, "none", False, False), False): HostWork(287, 38, 287, 38),
+    (K(False, "none", False, False), True): HostWork(673, 44, 673, 44),
+    (K(False, "none", False, True), False): HostWork(249, 35, 291, 38),
+    (K(False, "none", False, True), True): HostWork(634, 41, 677, 44),
+    (K(False, "none", True, False), False): HostWork(338, 39, 661, 63),
+    (K(False, "none", True, False), True): HostWork(723, 45, 1047, 69),
+    (K(False, "none", True, True), False): HostWork(338, 39, 661, 63),
+    (K(False, "none", True, True), True): HostWork(723, 45, 1047, 69),
+    (K(False, "candidates", False, False), False): HostWork(261, 39, 303, 42),
+    (K(False, "candidates", False, False), True): HostWork(646, 45, 689, 48),
+    (K(False, "candidates", False, True), False): HostWork(261, 39, 303, 42),
+    (K(False, "candidates", False, True), True): HostWork(646, 45, 689, 48),
+    (K(False, "candidates", True, False), False): HostWork(341, 43, 673, 67),
+    (K(False, "candidates", True, False), True): HostWork(726, 49, 1059, 73),
+    (K(False, "candidates", True, True), False): HostWork(341, 43, 673, 67),
+    (K(False, "candidates", True, True), True): HostWork(726, 49, 1059, 73),
+    (K(False, "search", False, False), False): HostWork(497, 58, 568, 60),
+    (K(False, "search", False, False), True): HostWork(882, 64, 954, 66),
+    (K(False, "search", False, True), False): HostWork(501, 58, 572, 60),
+    (K(False, "search", False, True), True): HostWork(886, 64, 958, 66),
+    (K(False, "search", True, False), False): HostWork(489, 54, 841, 77),
+    (K(False, "search", True, False), True): HostWork(874, 60, 1227, 83),
+    (K(False, "search", True, True), False): HostWork(489, 54, 841, 77),
+    (K(False, "search", True, True), True): HostWork(874, 60, 1227, 83),
 }
 """``vocabpar.sampling.verify`` on the shards, per key and whether draft logits come along (a
 greedy row ignores them)."""
@@ -133,20 +133,20 @@ more launches per rank, host reads)``; the ids exchanges launch nothing but thei
 DP attention reads the exchanged row counts on the host."""
 ENGINE: dict[SamplerKey, HostWork] = {
     K(True): fixed(55, 0),
-    K(False, "none", False, False): fixed(377, 0), K(False, "none", False, True): fixed(381, 0),
-    K(False, "none", True, False): fixed(440, 0), K(False, "none", True, True): fixed(440, 0),
-    **{K(False, "candidates", p, m): fixed(381, 0) for p in (False, True) for m in (False, True)},
-    K(False, "search", False, False): fixed(427, 0), K(False, "search", False, True): fixed(431, 0),
-    K(False, "search", True, False): fixed(490, 0), K(False, "search", True, True): fixed(490, 0),
+    K(False, "none", False, False): fixed(219, 0), K(False, "none", False, True): fixed(223, 0),
+    K(False, "none", True, False): fixed(282, 0), K(False, "none", True, True): fixed(282, 0),
+    **{K(False, "candidates", p, m): fixed(223, 0) for p in (False, True) for m in (False, True)},
+    K(False, "search", False, False): fixed(269, 0), K(False, "search", False, True): fixed(273, 0),
+    K(False, "search", True, False): fixed(332, 0), K(False, "search", True, True): fixed(332, 0),
 }
 """``vocabpar.sampling.Sampler.sample`` on the shards, per key: the same launches whatever the
 logits (a fixed script of dense passes) and no host read; ``raise_if_failed``, the one read per
 step, is priced by the design's caller."""
 ENGINE_VERIFY_EXTRA = {(False, True): fixed(55, 0), (False, False): fixed(56, 0),
-                       (True, False): fixed(385, 0)}
+                       (True, False): fixed(181, 0)}
 """``Sampler.verify`` launches beyond its sampler call on the stacked rows, by (draft logits,
 greedy): stacking, acceptance and emission (55, one more when sampled); with draft logits, also
-the exact masses and the correction (385). The same whatever the logits; no host read."""
+the exact masses and the correction (181). The same whatever the logits; no host read."""
 DENSE: dict[SamplerKey, HostWork] = {
     K(True): fixed(2, 0),
     **{K(False, k, p, m): fixed(6 + 6 * (k != "none") + (8 if p and k == "none" else 6 * p) + 5 * m, int(m))

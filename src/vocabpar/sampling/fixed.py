@@ -18,14 +18,21 @@ import torch
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling.dense import threshold
 from vocabpar.sampling.failures import Failures
-from vocabpar.sampling.fused import best_kept, int32_sums, logit_histogram, mass_totals, masses, residual
-from vocabpar.sampling.noise import row_keys
+from vocabpar.sampling.fused import (
+    accept_uniforms,
+    best_kept,
+    int32_sums,
+    logit_histogram,
+    mass_totals,
+    masses,
+    residual,
+    sample_keys,
+)
 from vocabpar.sampling.params import Rows
 from vocabpar.sampling.ranks import Ranks
 from vocabpar.sampling.semantics import (
     NEG_INF,
     PAD_KEY,
-    accept_uniform,
     accepts,
     drawn_logits,
     key_value,
@@ -179,14 +186,15 @@ class Choice:
             tau = torch.where(search, key_value(v - 2**31), tau)
         self.thr = torch.maximum(kappa, tau)
         # 3. the draw
+        keys = sample_keys(rows.seed, positions)
         if plan.draw:
             lower = torch.where(sampled, self.thr.double(), float("inf"))
-            score, arg = best_kept(x, self.ids, lower, t, min_z, row_keys(rows.seed, positions))
+            score, arg = best_kept(x, self.ids, lower, t, min_z, keys)
             got = DRAW.unpack(ranks.gather(padded(DRAW.pack(score=score, id=arg), plan.rows))[:, :B])
             _, drawn = merge_argmax(got.score, got.id)
         else:
             # the same pass over the merged candidates (ids per entry): z = cand / t is cand_z
-            _, drawn = best_kept(cand, cand_id, self.thr.double(), t, min_z, row_keys(rows.seed, positions))
+            _, drawn = best_kept(cand, cand_id, self.thr.double(), t, min_z, keys)
         return self.settle(torch.where(sampled, drawn, self.tokens))
 
 
@@ -223,7 +231,7 @@ class DraftPairs:
         total = MASSES.pack(**local)
         self.total = MASSES.unpack(ranks.sum(padded(total, max_rows))[: B * k])
         seeds = rows.seed[:, None].expand(B, k)
-        u = accept_uniform(seeds, positions[:, None] + torch.arange(k, device=device)).reshape(-1)
+        u = accept_uniforms(seeds, positions[:, None] + torch.arange(k, device=device)).reshape(-1)
         self.accept = accepts(u, self.total.target_token, self.total.target_total, self.total.draft_token,
                               self.total.draft_total).view(B, k)
 

@@ -26,7 +26,14 @@ from collections.abc import Callable, Iterator
 import torch
 
 from vocabpar.sampling.noise import gumbel, gumbel_bucket, row_keys
-from vocabpar.sampling.semantics import NEG_INF, keyed_residual_scores, order_key, rank_key, scaled_mass
+from vocabpar.sampling.semantics import (
+    NEG_INF,
+    accept_uniform,
+    keyed_residual_scores,
+    order_key,
+    rank_key,
+    scaled_mass,
+)
 
 SWITCH = "VOCABPAR_COMPILE"
 _on = [os.environ.get(SWITCH, "1") != "0"]
@@ -232,16 +239,28 @@ def residual(p: torch.Tensor, p_total: torch.Tensor, q: torch.Tensor, q_total: t
     return first_max(residual_pass(p, p_total, q, q_total, keys, ids), ids)
 
 
+KEY_OPTIONS = {"realize_opcount_threshold": 8, "realize_cpu_opcount_threshold": 8}
+"""Inductor settings for the passes that hash per row (sixteen chained rounds): Inductor inlines
+every intermediate value into the expressions that read it, and for these chains that took it
+40 s to generate the code; these settings make it store the intermediates instead (a few bytes
+per row), which takes 4 s. Eager, each chain is some 150 launches."""
+
+
+def _sample_keys(seed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The rows' noise keys ``[F, 2]`` on the sampler's stream, from seeds and positions ``[F]``."""
+    return row_keys(seed, positions)
+
+
 def _residual_keys(seed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The rows' noise keys ``[F, 2]`` on the correction's stream, from seeds and positions ``[F]``."""
     return row_keys(seed, positions, "residual")
 
 
-residual_keys = Fused(_residual_keys, options={"realize_opcount_threshold": 8,
-                                               "realize_cpu_opcount_threshold": 8})
-"""Sixteen chained hash rounds per row. Inductor inlines every intermediate value into the
-expressions that read it, and for this chain that took it 40 s to generate the code; these
-settings make it store the intermediates instead (a few bytes per row), which takes 4 s."""
+sample_keys = Fused(_sample_keys, options=KEY_OPTIONS)
+residual_keys = Fused(_residual_keys, options=KEY_OPTIONS)
+accept_uniforms = Fused(accept_uniform, options=KEY_OPTIONS)
+""":func:`~vocabpar.sampling.semantics.accept_uniform` as one pass (seeds and positions of any
+one shape)."""
 
 
 def _digits(keys: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor | int, bits: torch.Tensor | int,

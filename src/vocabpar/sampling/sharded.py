@@ -44,8 +44,7 @@ import torch
 
 from vocabpar import comm
 from vocabpar.layout import VocabLayout
-from vocabpar.sampling.fused import mass_totals, masses, scored
-from vocabpar.sampling.noise import row_keys
+from vocabpar.sampling.fused import mass_totals, masses, sample_keys, scored
 from vocabpar.sampling.params import Rows, SamplingParams, TokenCounts, check_sample_inputs, on_device
 from vocabpar.sampling.ranks import Ranks, agreed, group_ranks, params_fact
 from vocabpar.sampling.scoring import token_logprobs
@@ -271,7 +270,7 @@ class SampledRows:
         self.temperature = torch.where(self.sampled, self.rows.temperature, 1.0)  # [B] float64
         self.z_max = self.best / self.temperature
         self.min_z = min_p_threshold(self.z_max, self.rows.min_p)  # kept tokens have z >= min_z
-        self.noise_keys = row_keys(self.rows.seed, self.positions)
+        self.noise_keys = sample_keys(self.rows.seed, self.positions)
         self.cand = self.first.cand.permute(1, 0, 2).reshape(B, n * c)  # [B, n·c]
         self.cand_id = self.first.cand_id.permute(1, 0, 2).reshape(B, n * c)
         self.cand_z = self.cand / self.temperature[:, None]
