@@ -13,7 +13,9 @@ no collective):
   temporaries) against an int32 one added in the loop; and, for masses (46 bits, kept int64),
   the three int32 pieces that would fit them;
 - the total of the masses: the ``[B, V/4]`` int64 masses then a sum, against one reducing pass;
-- the bucket's token count: the flags then an eager sum, against the count from the same pass.
+- the bucket's token count: the flags then an eager sum, against the count from the same pass;
+- the rows' noise keys (sixteen chained hash rounds per row): eager ops, some 150 launches,
+  against one compiled pass (one launch; a per-call cost whatever the shard's width).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import torch
 
 from vocabpar.host_reads import counting
 from vocabpar.sampling import fused
-from vocabpar.sampling.semantics import mass_bits
+from vocabpar.sampling.noise import row_keys
+from vocabpar.sampling.semantics import mass_bits, mass_shift
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import QUICK_HELP, sized  # noqa: E402
@@ -86,7 +89,8 @@ def main() -> None:
     t = torch.ones(B, dtype=torch.float64)
     no_bound = torch.full((B,), float("-inf"), dtype=torch.float64)
     z_max = x.amax(1).double()
-    weight = fused.masses(x, no_bound, t, no_bound, z_max, V)
+    scale = mass_shift(V)
+    weight = fused.masses(x, no_bound, t, no_bound, z_max, scale)
     keys = fused._shard_keys(x, real)
     middle = keys.median(1).values
     shift, bits, top = torch.full((B,), 32), torch.full((B,), 11), 2048
@@ -95,6 +99,7 @@ def main() -> None:
     plain_bins = fused.Fused(_int64_bins)
     wide, narrow = fused.int32_sums(mass_bits(V), R), fused.int32_sums(1, R)
     low = x.median(1).values.double()
+    seeds, positions = torch.arange(B) * 7919, torch.arange(B) + 100
     pairs = {
         "mask: bool vs int32": (lambda: masks[0](x, low), lambda: masks[1](x, low)),
         "histogram of masses: 3 int32 pieces vs int64": (
@@ -104,11 +109,13 @@ def main() -> None:
             lambda: plain_bins(x, real, None, shift, bits, prefix, top, 0),
             lambda: fused.histogram(x, real, None, shift, bits, prefix, top, narrow)),
         "mass total: masses + sum vs one pass": (
-            lambda: fused.masses(x, no_bound, t, no_bound, z_max, V).sum(1),
-            lambda: fused.mass_totals(x, no_bound, t, no_bound, z_max, V)),
+            lambda: fused.masses(x, no_bound, t, no_bound, z_max, scale).sum(1),
+            lambda: fused.mass_totals(x, no_bound, t, no_bound, z_max, scale)),
         "bucket count: flags + sum vs same pass": (
             lambda: fused.members(x, real, None, middle, middle + 2**28)[0].sum(1),
             lambda: fused.members(x, real, None, middle, middle + 2**28)[1]),
+        "row noise keys: eager ops vs one pass": (
+            lambda: row_keys(seeds, positions), lambda: fused.sample_keys(seeds, positions)),
     }
     print(f"one process, one thread, FP32 shard [{B}, {R}] of V={V}, compiled passes; ms = median of 5 calls")
     print(f"{'pass':44s} {'other ms':>9s} {'shipped ms':>10s} {'ratio':>6s} {'reads':>5s}")
@@ -117,7 +124,7 @@ def main() -> None:
         with counting() as reads:
             shipped()
         a, b = _ms(plain), _ms(shipped)
-        print(f"{name:44s} {a:9.1f} {b:10.1f} {a / b:5.1f}x {sum(reads.values()):5d}")
+        print(f"{name:44s} {a:9.2f} {b:10.2f} {a / b:5.1f}x {sum(reads.values()):5d}")
 
 
 if __name__ == "__main__":
