@@ -15,6 +15,7 @@ depend on the data, within its [typical, worst] range where it does (sampling on
 from __future__ import annotations
 
 import gc
+import itertools
 import math
 import os
 import random
@@ -293,40 +294,50 @@ def rank_main(model_name: str, prompts: list[list[int]], tokens: int, progress: 
 
 def _generate_all(model_name: str, prompts: list[list[int]], tokens: int, progress: bool,
                   group: comm.ProcessGroup) -> list[dict]:
+    todo = designs()
+    total, runs = sum(m.runs(d) for d in todo for m in MODES), itertools.count(1)
+    build_model(model_name)  # transformers imports the model's code on first use
+    gc.freeze()  # what exists by now is never garbage: the collection before each run scans only the rest
+    try:
+        return [_generate_design(design, model_name, prompts, tokens, group,
+                                 lambda what, name=design.name: _say(progress and comm.rank(group) == 0,
+                                                                     f"[{next(runs)}/{total}] {name} {what}"))
+                for design in todo]
+    finally:
+        gc.unfreeze()
+
+
+def _generate_design(design: plan.Design, model_name: str, prompts: list[list[int]], tokens: int,
+                     group: comm.ProcessGroup, say: Callable[[str], None]) -> dict:
+    """:func:`_generate_all`'s measurements for one design, every mode it supports; ``say``
+    reports each finished run."""
     from vocabpar.integrations.hf import parallelize
 
-    out, todo = [], designs()
-    total, done = sum(m.runs(d) for d in todo for m in MODES), 0
-    for design in todo:
-        exchange = "auto" if design.embedding == "local" else design.embedding
-        options = dict(group=group, scheme=design.scheme, strategy=design.strategy, scatter="all_gather",
-                       exchange=exchange, sampler="engine" if design.sampler == "engine" else "functional")
-        lm = parallelize(build_model(model_name), **options)
-        draft = None
-        weights = lm.embedding.storage.nbytes + (0 if lm.head.storage is lm.embedding.storage
-                                                 else lm.head.storage.nbytes)
-        result = {}
-        for mode in filter(lambda m: m.runs(design), MODES):
-            gc.collect()
-            speculate = {}
-            if mode.spec_tokens:
-                draft = draft or parallelize(build_draft(model_name), **options)
-                speculate = dict(draft=draft, num_draft_tokens=mode.spec_tokens)
-            peak = rss.reset_peak()
-            with counting() as reads:
-                g = lm.generate(prompts, mode.params(len(prompts)), tokens, **speculate)
-            result[mode.name] = {"tokens": g.tokens, "inputs": g.inputs, "seconds": g.step_seconds,
-                                 "received": g.step_received, "collectives": g.step_collectives,
-                                 "weights": weights, "peak_rss": rss.peak_bytes(peak),
-                                 "acceptance": g.acceptance_rate if mode.spec_tokens else None,
-                                 "strategies": g.strategies,
-                                 "host_reads": sum(reads.values()) / max(len(g.step_seconds), 1)}
-            done += 1
-            _say(progress and comm.rank(group) == 0,
-                 f"[{done}/{total}] {design.name} {mode.name}: {1e3 * _mean(g.step_seconds[1:]):.1f} ms/step")
-        out.append(result)
-        del lm, draft
-    return out
+    exchange = "auto" if design.embedding == "local" else design.embedding
+    options = dict(group=group, scheme=design.scheme, strategy=design.strategy, scatter="all_gather",
+                   exchange=exchange, sampler="engine" if design.sampler == "engine" else "functional")
+    lm = parallelize(build_model(model_name), **options)
+    draft = None
+    weights = lm.embedding.storage.nbytes + (0 if lm.head.storage is lm.embedding.storage
+                                             else lm.head.storage.nbytes)
+    result = {}
+    for mode in filter(lambda m: m.runs(design), MODES):
+        gc.collect()
+        speculate = {}
+        if mode.spec_tokens:
+            draft = draft or parallelize(build_draft(model_name), **options)
+            speculate = dict(draft=draft, num_draft_tokens=mode.spec_tokens)
+        peak = rss.reset_peak()
+        with counting() as reads:
+            g = lm.generate(prompts, mode.params(len(prompts)), tokens, **speculate)
+        result[mode.name] = {"tokens": g.tokens, "inputs": g.inputs, "seconds": g.step_seconds,
+                             "received": g.step_received, "collectives": g.step_collectives,
+                             "weights": weights, "peak_rss": rss.peak_bytes(peak),
+                             "acceptance": g.acceptance_rate if mode.spec_tokens else None,
+                             "strategies": g.strategies,
+                             "host_reads": sum(reads.values()) / max(len(g.step_seconds), 1)}
+        say(f"{mode.name}: {1e3 * _mean(g.step_seconds[1:]):.1f} ms/step")
+    return result
 
 
 def _row(design: plan.Design, mode: Mode, runs: list[dict], reference: list[list[int]],
