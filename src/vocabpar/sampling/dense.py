@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from vocabpar.sampling.ranks import Ranks
-from vocabpar.sampling.semantics import NEG_INF
+from vocabpar.sampling.semantics import NEG_INF, threshold_digit
 from vocabpar.wire.records import histogram
 from vocabpar.wire.scripts import ENGINE_SEARCH_BITS
 
@@ -55,8 +55,6 @@ def threshold(local_histogram: Callable[[int, int, torch.Tensor, int], torch.Ten
         counts, above = got.digits[:B], got.above[:B]
         if callable(need):
             need = need(counts.sum(1) + above)
-        suffix = counts.flip(1).cumsum(1).flip(1)  # suffix[d] = weight of digits >= d
-        d = ((above[:, None] + suffix) >= need[:, None]).sum(1).clamp(min=1) - 1
-        prefix = (prefix << bits) | d
+        prefix = (prefix << bits) | threshold_digit(counts, above, need)[0]
         shift -= bits
     return prefix

@@ -18,7 +18,7 @@ import torch
 from vocabpar.sampling.fused import digits, histogram, int32_sums, members, order_keys, reachable, scored
 from vocabpar.sampling.noise import gumbel_bound
 from vocabpar.sampling.ranks import Ranks
-from vocabpar.sampling.semantics import NEG_INF, key_value, merge_argmax, row_argmax
+from vocabpar.sampling.semantics import NEG_INF, key_value, merge_argmax, row_argmax, threshold_digit
 from vocabpar.wire.records import HISTOGRAM, SEARCH_BITS, SETTLE_BITS, SETTLE_TOKENS, settle
 from vocabpar.wire.scripts import Search
 
@@ -68,11 +68,20 @@ class Draw:
     cand_id: torch.Tensor
     cand_z: torch.Tensor
 
-    def certain_best(self, top_key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def certain_best(self, top_key: torch.Tensor,
+                     listed: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """This shard's best (score, id) per row among the kept tokens with key >= ``top_key``
-        (all kept whatever the threshold within the bucket below). The certainly kept candidates
-        give a lower bound on it, so the noise bound prunes most tokens first."""
+        (all kept whatever the threshold within the bucket below): from ``listed`` (row, column,
+        key ``[N]``) tokens that include all of them, each scored exactly; else from the shard,
+        where the certainly kept candidates give a lower bound on it, so the noise bound prunes
+        most tokens first."""
         F = top_key.shape[0]
+        if listed is not None:
+            r, col, key = listed
+            up = key >= top_key[r]
+            r, col = r[up], col[up]
+            score = self.score(r, col)
+            return row_argmax(r, torch.where(score > NEG_INF, self.ids[col], -1), score, F)
         top_value = key_value(top_key.clamp(max=2**32 - 1) - 2**31).double()
         thr = torch.where(top_key < 2**32, top_value, float("inf"))
         sure = (self.cand_id >= 0) & (self.cand >= thr[:, None]) & (self.cand_z >= self.min_z[:, None])
@@ -108,7 +117,10 @@ def threshold_search(x: torch.Tensor, real: torch.Tensor, weight: torch.Tensor |
     scores and its best score above the bucket. A row whose bucket holds more on some rank takes
     one more round of ``2**SETTLE_BITS`` sums (and is not drawn). Only the bucket's tokens are
     carried from round to round, listed; a bucket holding more than ``1 / DENSE_SHARE`` of the
-    shard (counted before listing) is read in place instead, and listed only once it is final."""
+    shard (counted before listing) is read in place instead, and listed only once it is final.
+    To draw, the first listing also holds the tokens above the bucket where that stays small (top-k
+    after a first round in place, whose counts bound them): the draw scores those exactly, and
+    reads the shard for them otherwise."""
     F = x.shape[0]
     narrow = int32_sums(weight_bits, x.shape[1])
     shard = (x, real, weight)
@@ -118,18 +130,22 @@ def threshold_search(x: torch.Tensor, real: torch.Tensor, weight: torch.Tensor |
     above, total, rounds = torch.zeros(F, dtype=torch.long), None, 0
     # rounds run on the tokens of the bucket and above only, listed; when some row's bucket is the
     # whole key range, or the bucket holds a large share of the shard, they run on the shard in
-    # place instead (one read of it per round, where a listed token costs ~ten indexed operations)
-    if bool((shift < 32).all()):  # host syncs here and below: branches every rank takes alike
-        high = torch.full_like(prefix, 2**33)  # the bucket and everything above it
-    else:
+    # place instead (one read of it per round, where a listed token costs ~ten indexed operations).
+    # A draw needs every kept token above the final bucket: kept in the first listing, they are
+    # scored exactly from it instead of from another read of the shard
+    with_above = bool((shift < 32).all())  # host syncs here and below: branches every rank takes alike
+    if not with_above:
         shift, prefix, above, total, need, _ = _histogram_round(shard, None, bits, shift, prefix, above,
                                                                 total, need, ranks, narrow)
         rounds += 1
-        high = (prefix + 1) << shift
+        # counted tokens: ``above`` (over all ranks) bounds how many this rank would list above
+        with_above = draw is not None and weight is None and int(above.sum()) * DENSE_SHARE <= x.numel()
+    high = torch.full_like(prefix, 2**33) if with_above else (prefix + 1) << shift
     flags, count = members(*shard, prefix << shift, high)
     in_place = int(count.sum()) * DENSE_SHARE > x.numel()
     r, col = (None, None) if in_place else flags.nonzero(as_tuple=True)
-    key = wt = None
+    key, wt = (None, None) if in_place else _listed(shard, r, col)
+    listed = (r, col, key) if with_above and not in_place and draw is not None else None
     while True:
         bits = (shift - SETTLE_BITS).clamp(0, SEARCH_BITS)
         if (total is not None or not callable(need)) and not bool((bits > 0).any()):
@@ -139,8 +155,6 @@ def threshold_search(x: torch.Tensor, real: torch.Tensor, weight: torch.Tensor |
                                                                     total, need, ranks, narrow)
             flags = None  # stale: the narrowed bucket is listed after the rounds
         else:
-            if key is None:
-                key, wt = _listed(shard, r, col)
             shift, prefix, above, total, need, keep = _histogram_round((key, wt), r, bits, shift, prefix,
                                                                        above, total, need, ranks)
             r, col, key, wt = r[keep], col[keep], key[keep], wt[keep]
@@ -150,7 +164,7 @@ def threshold_search(x: torch.Tensor, real: torch.Tensor, weight: torch.Tensor |
         r, col = flags.nonzero(as_tuple=True)
     if key is None:
         key, wt = _listed(shard, r, col)
-    v, token, overflow = _settle(key, wt, r, col, shift, prefix, above, need, ranks, draw)
+    v, token, overflow = _settle(key, wt, r, col, shift, prefix, above, need, ranks, draw, listed)
     ties = bool(overflow.any())  # a host sync that saves a collective for every other row
     if ties:
         mine = overflow[r]
@@ -167,11 +181,12 @@ def _listed(shard: tuple, r: torch.Tensor, col: torch.Tensor) -> tuple[torch.Ten
     return value_key(x[r, col]), torch.ones_like(r) if weight is None else weight[r, col]
 
 
-def _settle(key, wt, r, col, shift, prefix, above, need, ranks: Ranks, draw: Draw | None):
+def _settle(key, wt, r, col, shift, prefix, above, need, ranks: Ranks, draw: Draw | None, listed):
     """The settling all-gather: each rank's ``SETTLE_TOKENS`` largest keys of its final bucket
     (``key``, ``wt``, ``r``, ``col``: the bucket's tokens, by row ``r``), merged into ``v`` per
-    row; with ``draw`` also the token. Returns ``(v, token, overflow)``, ``overflow`` the rows
-    whose bucket held more on some rank (their ``v`` is not final)."""
+    row; with ``draw`` also the token, from ``listed`` (row, column, key) tokens that hold every
+    one above the bucket, or from the shard when None. Returns ``(v, token, overflow)``,
+    ``overflow`` the rows whose bucket held more on some rank (their ``v`` is not final)."""
     F = prefix.shape[0]
     count = torch.bincount(r, minlength=F)
     order = torch.argsort(r * 2**33 + (2**32 - 1 - key))  # by row, then key descending
@@ -187,7 +202,7 @@ def _settle(key, wt, r, col, shift, prefix, above, need, ranks: Ranks, draw: Dra
 
     parts = {"count": count, "keys": table(key, -1), "weights": table(wt, 0)}
     if draw is not None:
-        best, best_id = draw.certain_best((prefix + 1) << shift)
+        best, best_id = draw.certain_best((prefix + 1) << shift, listed)
         parts |= {"ids": table(draw.ids[col], -1), "scores": table(draw.score(r, col), NEG_INF),
                   "best": best, "best_id": best_id}
     record = settle(draw is not None)
@@ -227,8 +242,7 @@ def _histogram_round(tokens, r, bits, shift, prefix, above, total, need, ranks: 
     if total is None:
         total, above = got.digits.sum(1) + got.above, got.above
         need = need(total) if callable(need) else need
-    suffix = got.digits.flip(1).cumsum(1).flip(1)  # suffix[d] = weight of digits >= d
-    d = ((above[:, None] + suffix) >= need[:, None]).sum(1).clamp(min=1) - 1
+    d, suffix = threshold_digit(got.digits, above, need)
     above = above + torch.where(d + 1 < top, suffix.gather(1, (d + 1).clamp(max=top - 1)[:, None])[:, 0], 0)
     if r is not None:
         keep = inside & (digit == d[r])

@@ -203,6 +203,16 @@ def scaled_mass(z: torch.Tensor, zmax: torch.Tensor, scale: int) -> torch.Tensor
     return exactmath.exp_fixed(z - zmax, scale)
 
 
+def threshold_digit(digits: torch.Tensor, above: torch.Tensor,
+                    need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the highest digit ``d`` (int64 ``[B]``, 0 when none) whose weight at or above it,
+    plus ``above``, reaches ``need``, and the suffix sums it compared (``[B, D]``: the weight of
+    digits ``>= d``): ``digits`` int64 ``[B, D]``, the weight of each digit of a bucket;
+    ``above``, ``need``: ``[B]``. Exact integer sums."""
+    suffix = digits.flip(1).cumsum(1).flip(1)
+    return ((above[:, None] + suffix) >= need[:, None]).sum(1).clamp(min=1) - 1, suffix
+
+
 def top_p_target(total: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Integer mass the kept prefix must reach: ``ceil(top_p * total)`` clamped to [1, total]."""
     t = torch.ceil(total.double() * top_p).long()

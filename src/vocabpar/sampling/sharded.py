@@ -239,7 +239,8 @@ def _round_one(raw: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, c: int, ra
     else:
         xmax, xmax_id = torch.full((B,), NEG_INF), torch.full((B,), -1)
     has_nan = xmax.isnan() if x is raw else torch.where(ids >= 0, raw, 0.0).isnan().any(1)
-    cand, cand_id = _top(x, ids, c)
+    # one candidate is the max itself: no second pass over the shard
+    cand, cand_id = (xmax.double()[:, None], xmax_id[:, None]) if c == 1 else _top(x, ids, c)
     record = round_one(c)
     got = record.unpack(ranks.gather(record.pack(max=torch.where(has_nan, float("nan"), xmax.double()),
                                                  max_id=xmax_id, values=cand, ids=cand_id)))
