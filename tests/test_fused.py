@@ -27,7 +27,7 @@ from vocabpar import (
     token_logprobs,
 )
 from vocabpar.launch import run
-from vocabpar.sampling import Sampler, fused, verify
+from vocabpar.sampling import Sampler, fused, search, verify
 from vocabpar.sampling.noise import gumbel_bound, row_keys
 from vocabpar.sampling.semantics import mass_bits, mass_shift, order_key, rank_key
 
@@ -130,6 +130,17 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return full, draft, torch.randint(0, V, (B, K), generator=g), torch.arange(B) * 5
 
 
+def _sample_listed(local: torch.Tensor, layout: VocabLayout, params: SamplingParams, positions: torch.Tensor,
+                   group: dist.ProcessGroup) -> torch.Tensor:
+    """``sample``'s tokens with every threshold search on listed tokens (``DENSE_SHARE`` 1): a
+    top-k search then draws from the tokens it listed above its bucket, not from the shard."""
+    shipped, search.DENSE_SHARE = search.DENSE_SHARE, 1
+    try:
+        return sample(local, layout, params, positions=positions, group=group).tokens
+    finally:
+        search.DENSE_SHARE = shipped
+
+
 def _tokens(n: int, group: dist.ProcessGroup) -> dict:
     """Per parameter set, the tokens of sample, the engine, verify and the engine's verify on the
     ``n`` ranks of ``group``, compiled and eager."""
@@ -150,7 +161,8 @@ def _tokens(n: int, group: dist.ProcessGroup) -> dict:
                              sampler.sample(shard(full[:B]), batch).tokens,
                              verify(target, layout, p, drafts, positions=pos, draft_logits=drafted,
                                     group=group).tokens,
-                             sampler.verify(target, batch, drafts, drafted).tokens)
+                             sampler.verify(target, batch, drafts, drafted).tokens,
+                             _sample_listed(shard(full[:B]), layout, p, pos, group))
         out[n, name] = (got[True], got[False])
     scored = torch.arange(B) * 37 % V
     for mode in (True, False):
@@ -264,7 +276,7 @@ def test_tokens_compiled_equal_eager_and_the_reference_at_every_world_size(ranks
         for rank in ranks[:n]:
             compiled, eager = rank["tokens"][n, name]
             for got in (compiled, eager):
-                assert torch.equal(got[0], want_sample) and torch.equal(got[1], want_sample), (n, name)
+                assert all(torch.equal(got[i], want_sample) for i in (0, 1, 4)), (n, name)
                 assert torch.equal(got[2], want_verify) and torch.equal(got[3], want_verify), (n, name)
     want_top = rank_key(full[:B], torch.arange(V)).topk(TOP_N, 1).indices
     for rank in ranks[:n]:

@@ -213,7 +213,7 @@ def _cases() -> list[dict]:
         add(f"logprobs_per_row_{of}", torch.randn(8, 37, generator=g) * 2, org=30,
             params=dataclasses.replace(mixed, logprobs=[None, 0, 3, 1, None, 5, 2, 4], logprobs_of=of))
     # top-k beyond the candidates on its own: the search draws, from the tokens above its bucket
-    # listed (few enough at 1-3 ranks) or from the shard (4 ranks)
+    # listed (few enough at 1-2 ranks and when replicated) or from the shard (3-4 ranks)
     add("top_k_draw", torch.randn(4, 20000, generator=g) * 3, org=19990,
         params=SamplingParams(temperature=[1.0, 0.7, 1.3, 1.0], top_k=[300, 1000, 257, 600],
                               min_p=[0, 0.05, 0, 0], seed=[1, 2, 3, 4]))
