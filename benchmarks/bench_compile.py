@@ -7,7 +7,8 @@ call with every filter that compiles a pass (top-k 1000, then top-p 0.9 on flat 
 speculative verification with draft logits), the first engine ``Sampler`` call, then the same
 calls at other batch sizes (B = 1, 7, 64: any recompilation would show here and in the graph
 count). ``cold``: an empty Inductor cache directory; ``warm``: the same directory again, as a
-restarted server finds it. Times are wall seconds on this machine.
+restarted server finds it; ``warmed``: an empty directory filled by ``vocabpar warm`` alone (timed
+too). Times are wall seconds on this machine.
 """
 
 from __future__ import annotations
@@ -63,13 +64,21 @@ def _run(cache: str, compile_on: bool) -> dict:
 def main() -> None:
     with tempfile.TemporaryDirectory() as cache:
         rows = {"cold": _run(cache, True), "warm": _run(cache, True), "eager": _run(cache, False)}
+    with tempfile.TemporaryDirectory() as cache:  # an empty cache filled by `vocabpar warm` alone
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "vocabpar", "warm"], check=True, capture_output=True,
+                       env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
+        warming = time.perf_counter() - start
+        rows["warmed"] = _run(cache, True)
     print(f"one process, [B, {SHARD}] FP32 shard of V={V}; per batch size: top-k 1000 and top-p 0.9 through "
           "sample() and the engine Sampler, then verify with draft logits (seconds, wall)")
     print(f"{'run':<7}{'B=256 (first)':>14}{'B=1':>8}{'B=7':>8}{'B=64':>8}  compiled passes")
     for name, r in rows.items():
         graphs = ", ".join(f"{k} {v}" for k, v in sorted(r["graphs"].items()) if v) or "-"
         print(f"{name:<7}{r['B=256']:>14.1f}{r['B=1']:>8.2f}{r['B=7']:>8.2f}{r['B=64']:>8.2f}  {graphs}")
-    for name in ("cold", "warm"):
+    print(f"warmed: a process after `vocabpar warm` on an empty cache, which took {warming:.0f} s "
+          "(every pass in every calling convention, one process per core)")
+    for name in ("cold", "warm", "warmed"):
         passes = rows[name]["passes"]
         print(f"{name} first call per pass (s, {sum(passes.values()):.1f} in all): "
               + ", ".join(f"{k} {v:.1f}" for k, v in sorted(passes.items())))

@@ -125,3 +125,23 @@ def test_score_rejects_bad_ids(capsys):
     assert "comma-separated integers" in capsys.readouterr().err
     assert main(["score", "--ranks", "1", "--ids", "5,99999999"]) == 2
     assert "integers in [0, 50257)" in capsys.readouterr().err
+
+
+def test_warm_compiles_the_named_passes_in_a_fresh_process(capsys):
+    """One pass (the cheapest to compile) in a process of one thread, into Inductor's on-disk
+    cache (that other processes load from it is pinned by test_fused: its ranks run the passes
+    two others compiled)."""
+    assert main(["warm", "--passes", "order_keys", "--jobs", "1", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "compiling 1 pass for processes of 1 thread(s), 1 at a time, into /" in out
+    assert "order_keys" in out and "s in all" in out
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--passes", "order_keys,nope"], "unknown pass(es) nope; the passes are: accept_uniforms"),
+    (["--jobs", "0"], "--jobs: must be an integer in [1, 256], got '0'"),
+    (["--threads", "x"], "--threads: must be an integer in [1, 1024], got 'x'"),
+])
+def test_warm_rejects_bad_arguments_before_compiling(args, why, capsys):
+    assert main(["warm", *args]) == 2
+    assert why in capsys.readouterr().err

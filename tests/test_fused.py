@@ -27,9 +27,8 @@ from vocabpar import (
     token_logprobs,
 )
 from vocabpar.launch import run
-from vocabpar.sampling import Sampler, fused, search, verify
-from vocabpar.sampling.noise import gumbel_bound, row_keys
-from vocabpar.sampling.semantics import mass_bits, mass_shift, order_key, rank_key
+from vocabpar.sampling import Sampler, fused, search, verify, warm
+from vocabpar.sampling.semantics import mass_bits, rank_key
 
 V, B, K, TOP_N = 3000, 6, 2, 3
 PARAMS = {
@@ -56,63 +55,12 @@ def test_log_and_exp_are_within_an_ulp_or_two_of_libm():
     assert exactmath.exp_fixed(ends, 45).tolist() == [2**45, 0]
 
 
-def _pass_inputs(F: int, R: int, seed: int) -> dict[str, tuple]:
-    """Arguments of every pass at ``[F, R]``, with padding columns, -inf and tied logits."""
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(F, R, generator=g) * 2).bfloat16().float()
-    x[:, ::7] = float("-inf")
-    ids = torch.randperm(4 * R, generator=g)[:R].sort().values
-    ids[-(R // 5):] = -1
-    t = torch.rand(F, generator=g, dtype=torch.float64) + 0.5
-    z_max = (x.double() / t[:, None]).amax(1)
-    lower = torch.where(torch.arange(F) % 2 == 0, x.double().quantile(0.3, 1), float("-inf"))
-    min_z = z_max - 3
-    keys = row_keys(torch.arange(F) + seed, torch.arange(F) * 3)
-    scale = mass_shift(V) - seed % 3  # one graph serves every vocabulary size (pinned by the graph count)
-    p = fused.masses(x, lower, t, min_z, z_max, scale)
-    bits, real, eleven = mass_bits(V), ids >= 0, torch.full((F,), 11)
-    first = order_key(x[:, 0]) + 2**31  # keys of the rows' first column
-    q = fused.masses(x.flip(1), lower, t, min_z, z_max, scale)
-    shift = torch.randint(11, 33, (F,), generator=g)  # at least the 11 bits it reads
-    order = torch.randint(0, 2**32, (F, R), generator=g)
-    zeros = torch.zeros(F, dtype=torch.long)
-    per_token = (shift[:, None], torch.full((F, 1), 11), order[:, :1] >> shift[:, None])
-    listed = [t.expand(F, R).flatten().clone() for t in (order, p, *per_token)]  # copies, as the search lists
-    entry_ids = torch.where(x > -2, ids.expand(F, R), -1)  # merged candidates: ids per entry
-    return {
-        "masses": (x, lower, t, min_z, z_max, scale),
-        "masses candidates": (x.double(), lower, t, min_z, z_max, scale),
-        "mass_totals": (x, lower, t, min_z, z_max, scale),
-        "best_kept": (x, ids, lower, t, min_z, keys),
-        "best_kept candidates": (x.double(), entry_ids, lower, t, min_z, keys),
-        "reachable": (x, ids, lower, t, min_z, z_max + 3.5, keys[:, 0].contiguous(), gumbel_bound()),
-        "residual_pass": (p, p.sum(1), q, q.sum(1).clamp(min=1), keys, ids),
-        "residual_keys": (torch.arange(F) * 7, torch.arange(F) + 3),
-        "sample_keys": (torch.arange(F) * 2**40 + seed, torch.arange(F) * 5),
-        "accept_uniforms": (torch.arange(F)[:, None].expand(F, 3), torch.arange(3 * F).view(F, 3)),
-        "first_max": (x.double(), ids),
-        "histogram": (x, real, p, shift, eleven, first >> shift, 2048, fused.int32_sums(bits, R)),
-        "histogram units": (x, real, None, shift, eleven, first >> shift, 2048, fused.int32_sums(1, R)),
-        "members": (x, real, p, first - 2**20, first + 2**20),
-        "members units": (x, real, None, first - 2**20, first + 2**20),
-        "logit_histogram units": (x, ids, lower, t, min_z, z_max, scale, 32, 11, zeros, 2048, True,
-                                  fused.int32_sums(1, R)),
-        "logit_histogram masses": (x, ids, lower, t, min_z, z_max, scale, 21, 11, zeros + 1024, 2048, False,
-                                   fused.int32_sums(bits, R)),
-        "digits": (*listed, 2048),
-        "rank_keys": (x, ids),
-        "order_keys": (x.flatten(),),
-        "scored": tuple(t.clone() for t in (x.double().flatten(), keys.repeat_interleave(R, 0),
-                                            ids.clamp(min=0).repeat(F))),
-    }
+PASSES = {name.split()[0]: fn for name, (fn, _) in warm.example_calls(1, 1).items()}
+"""Every pass, by name: ``warm.example_calls`` holds each in every calling convention."""
 
 
-KERNELS = {"masses": fused.masses, "mass_totals": fused.mass_totals, "best_kept": fused.best_kept,
-           "reachable": fused.reachable, "residual_pass": fused.residual_pass,
-           "residual_keys": fused.residual_keys, "sample_keys": fused.sample_keys,
-           "accept_uniforms": fused.accept_uniforms, "first_max": fused.first_max, "digits": fused.digits,
-           "histogram": fused.histogram, "logit_histogram": fused.logit_histogram, "members": fused.members,
-           "scored": fused.scored, "rank_keys": fused.rank_keys, "order_keys": fused.order_keys}
+def test_warm_covers_every_pass():
+    assert set(PASSES.values()) == {f for f in vars(fused).values() if isinstance(f, fused.Fused)}
 
 
 def _same(a, b) -> bool:
@@ -174,12 +122,12 @@ def _tokens(n: int, group: dist.ProcessGroup) -> dict:
 
 
 def _check_passes(F: int, R: int, share: slice) -> dict[tuple[str, int, int], bool]:
-    """Whether each pass of ``share`` (of the sorted names) gives the eager bits at ``[F, R]``."""
+    """Whether each call of ``share`` (of the sorted names of ``warm.example_calls``) gives the
+    eager bits at ``[F, R]``."""
+    calls = warm.example_calls(F, R, F + R)
     with fused.compiling(False):
-        inputs = _pass_inputs(F, R, F + R)
-        eager = {name: KERNELS[name.split()[0]](*inputs[name]) for name in sorted(inputs)[share]}
-    return {(name, F, R): _same(KERNELS[name.split()[0]](*inputs[name]), want)
-            for name, want in eager.items()}
+        eager = {name: fn(*args) for name, (fn, args) in sorted(calls.items())[share]}
+    return {(name, F, R): _same(calls[name][0](*calls[name][1]), want) for name, want in eager.items()}
 
 
 SHAPES = ((5, 300), (1, 1000), (9, 7), (64, 513))
@@ -217,9 +165,10 @@ def _ranks_job(world: int) -> dict:
     torch.manual_seed(0)
     out: dict = {"passes": {}, "tokens": {}}
     groups = {n: dist.new_group(list(range(n))) for n in range(1, world + 1)}
+    share = slice(comm.rank(), None, COMPILERS) if comm.rank() < COMPILERS else slice(0)
+    out["warmed"] = warm.warm(warm.checked(None)[share]) if comm.rank() < COMPILERS else {}
     with fused.compiling(True):
         for F, R in SHAPES:
-            share = slice(comm.rank(), None, COMPILERS) if comm.rank() < COMPILERS else slice(0)
             out["passes"] |= _check_passes(F, R, share)
         if comm.rank() == COMPILERS:  # a rank that waits for the compilers meanwhile
             out["limit"] = _past_the_recompile_limit()
@@ -229,8 +178,8 @@ def _ranks_job(world: int) -> dict:
             if comm.rank() < n:
                 out["tokens"] |= _tokens(n, groups[n])
     out["compiled"] = sorted(fused.COMPILE_SECONDS)
-    out["broken"] = sorted(k for k, f in KERNELS.items() if f.broken)
-    out["graphs"] = {name: _graphs(f.fn) for name, f in KERNELS.items()}
+    out["broken"] = sorted(k for k, f in PASSES.items() if f.broken)
+    out["graphs"] = {name: _graphs(f.fn) for name, f in PASSES.items()}
     return out
 
 
@@ -242,14 +191,17 @@ def ranks() -> list[dict]:
 
 
 def test_every_pass_compiled_gives_the_eager_bits(ranks):
-    names = set(_pass_inputs(1, 1, 0))
+    names = set(warm.example_calls(1, 1))
+    # warm compiled every call before the checks, half on each compiling rank, outside any
+    # ``compiling`` block (this process and the ranks run with VOCABPAR_COMPILE=0)
+    assert ranks[0]["warmed"].keys() | ranks[1]["warmed"].keys() == names
     compiled_here = ranks[0]["passes"].keys() | ranks[1]["passes"].keys()
     assert compiled_here >= {(name, F, R) for name in names for F, R in SHAPES}
     for rank in ranks:  # and every rank ran every pass from the cache
         assert {name for name, F, R in rank["passes"] if (F, R) == (2, 5)} == names
         assert all(rank["passes"].values()), [k for k, ok in rank["passes"].items() if not ok]
     assert not any(rank["broken"] for rank in ranks)
-    assert all({f.__name__ for f in KERNELS.values()} <= set(rank["compiled"]) for rank in ranks)
+    assert all({f.__name__ for f in PASSES.values()} <= set(rank["compiled"]) for rank in ranks)
 
 
 def test_each_pass_compiles_once_whatever_the_shapes(ranks):

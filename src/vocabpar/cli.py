@@ -8,6 +8,7 @@ import os
 import pathlib
 import sys
 import textwrap
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import NoReturn
@@ -248,6 +249,34 @@ def cmd_score(args: argparse.Namespace) -> int:
     return status
 
 
+def cmd_warm(args: argparse.Namespace) -> int:
+    """Compile the passes named (or all) into Inductor's on-disk cache: exit 1 if one could not
+    compile; ``ValueError`` (exit 2) for an unknown name, before anything compiles."""
+    import torch
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    from vocabpar.sampling import warm
+
+    names = warm.checked(args.passes.split(",") if args.passes else None)
+    threads = args.threads or torch.get_num_threads()
+    jobs = args.jobs or os.cpu_count() or 1
+    print(f"compiling {len(names)} pass{'es' if len(names) > 1 else ''} for processes of {threads} "
+          f"thread(s), {jobs} at a time, "
+          f"into {cache_dir()}", flush=True)
+    start = time.perf_counter()
+    seconds = warm.warm_in_processes(names, jobs, threads)
+    print(format_table(("pass", "seconds"), [(name, "FAILED" if s is None else f"{s:.1f}")
+                                            for name, s in seconds.items()]))
+    failed = [name for name, s in seconds.items() if s is None]
+    if failed:
+        print(f"\nvocabpar warm: {', '.join(failed)} could not compile (see the warnings above): they "
+              f"run eager, with the same results, only slower", file=sys.stderr)
+        return 1
+    print(f"\n{time.perf_counter() - start:.0f} s in all. A process of {threads} thread(s) on this machine "
+          f"now loads each pass from the cache in about a second; another thread count compiles anew.")
+    return 0
+
+
 def _id_list(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",")]
@@ -405,6 +434,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of the benchmarks, run the demo and plot bytes and time per design "
                         "(.png appended if missing)")
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("warm", help="compile the sampler's local passes ahead of serving",
+                       description="Compile every local pass of the samplers, in every calling convention, "
+                                   "into Inductor's on-disk cache, so that a later process's first call "
+                                   "loads them instead of compiling (minutes on a cold cache). The cache "
+                                   "serves processes with the same number of threads only.")
+    _number(p, "--threads", int, (1, 1024), "threads of the processes that will use the cache (default: "
+            "torch's default here)")
+    _number(p, "--jobs", int, (1, 256), "processes compiling side by side (default: one per core)")
+    p.add_argument("--passes", help="comma-separated pass names (default: all; a wrong name lists them)")
+    p.set_defaults(func=cmd_warm)
     _Parser.known = tuple(sub.choices) + tuple(
         option for q in (parser, *sub.choices.values()) for option in q._option_string_actions)
     return parser
