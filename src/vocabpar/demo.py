@@ -14,6 +14,8 @@ depend on the data, within its [typical, worst] range where it does (sampling on
 
 from __future__ import annotations
 
+import copy
+import functools
 import gc
 import itertools
 import math
@@ -46,7 +48,16 @@ LIMITS: dict[str, tuple[int, int]] = {"ranks": (1, 64), "batch": (1, 256),
 
 def build_model(name: str = "gpt2", seed: int = SEED):
     """A tiny seeded model with a real vocabulary: ``gpt2`` (50257, tied), ``llama`` (32001,
-    untied) or ``qwen2`` (151665, tied). Same name and seed -> same weights in every process."""
+    untied) or ``qwen2`` (151665, tied). Same name and seed -> same weights in every process.
+    A process builds each once and hands out copies (a build is 4-15× a copy); torch's global
+    generator is left where a build leaves it."""
+    model, generator_state = _built(name, seed)
+    torch.set_rng_state(generator_state)
+    return copy.deepcopy(model)
+
+
+@functools.cache
+def _built(name: str, seed: int):
     import transformers
 
     small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -62,7 +73,7 @@ def build_model(name: str = "gpt2", seed: int = SEED):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(configs[name]())
     model.generation_config.eos_token_id = None  # generate exactly max_new_tokens, like our loop
-    return model.eval()
+    return model.eval(), torch.get_rng_state()
 
 
 def build_draft(name: str = "gpt2", seed: int = SEED, noise: float = 0.05):
