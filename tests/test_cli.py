@@ -1,4 +1,5 @@
 import os
+import re
 import subprocess
 import sys
 
@@ -145,3 +146,26 @@ def test_warm_compiles_the_named_passes_in_a_fresh_process(capsys):
 def test_warm_rejects_bad_arguments_before_compiling(args, why, capsys):
     assert main(["warm", *args]) == 2
     assert why in capsys.readouterr().err
+
+
+def _data_dependent(x):
+    return x * 2 if x.sum().item() > 0 else x  # a branch on a value: no single graph to compile
+
+
+def test_warm_names_a_pass_that_cannot_compile_and_exits_1(monkeypatch, capsys):
+    """A pass Inductor cannot compile: ``warm`` reports it (in this process here, not a pool) and
+    exits 1; the pass warned once and runs eager with the eager result."""
+    import torch
+
+    from vocabpar.sampling import fused, warm
+
+    broken = fused.Fused(_data_dependent)
+    monkeypatch.setattr(warm, "example_calls", lambda *args: {"data_dependent": (broken, (torch.ones(3),))})
+    monkeypatch.setattr(warm, "warm_in_processes", lambda names, jobs, threads: warm.warm(names))
+    with pytest.warns(RuntimeWarning, match="compiling _data_dependent failed, running it eager"):
+        assert main(["warm", "--jobs", "1", "--threads", "1"]) == 1
+    out, err = capsys.readouterr()
+    assert "compiling 1 pass for processes of 1 thread(s)" in out
+    assert re.search(r"data_dependent +FAILED", out)
+    assert "data_dependent could not compile" in err and "run eager, with the same results" in err
+    assert broken.broken and torch.equal(broken(torch.ones(3)), torch.full((3,), 2.0))
