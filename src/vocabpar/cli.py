@@ -261,8 +261,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
     threads = args.threads or torch.get_num_threads()
     jobs = args.jobs or os.cpu_count() or 1
     print(f"compiling {len(names)} pass{'es' if len(names) > 1 else ''} for processes of {threads} "
-          f"thread(s), {jobs} at a time, "
-          f"into {cache_dir()}", flush=True)
+          f"thread(s), {jobs} at a time, into {cache_dir()}", flush=True)
     start = time.perf_counter()
     seconds = warm.warm_in_processes(names, jobs, threads)
     print(format_table(("pass", "seconds"), [(name, "FAILED" if s is None else f"{s:.1f}")
@@ -273,7 +272,8 @@ def cmd_warm(args: argparse.Namespace) -> int:
               f"run eager, with the same results, only slower", file=sys.stderr)
         return 1
     print(f"\n{time.perf_counter() - start:.0f} s in all. A process of {threads} thread(s) on this machine "
-          f"now loads each pass from the cache in about a second; another thread count compiles anew.")
+          f"now loads these passes from the cache instead of compiling them; another thread count "
+          f"compiles anew.")
     return 0
 
 
