@@ -28,7 +28,7 @@ def pytest_collection_finish(session) -> None:
 
 LONGEST_FIRST = ("test_fused.py", "test_demo.py", "test_engine.py", "test_head.py", "test_readme.py",
                  "test_host_work.py")
-"""The files that take longest (15-45 s each with ``--durations``), in that order. The Makefile
+"""The files that take longest (15-60 s each with ``--durations``), in that order. The Makefile
 turns off xdist's own order (most tests first), which started the 3-test, 20 s README file
 last; a long file started early leaves short ones to even out the two workers' ends."""
 
