@@ -166,7 +166,7 @@ def _ranks_job(world: int) -> dict:
     out: dict = {"passes": {}, "tokens": {}}
     groups = {n: dist.new_group(list(range(n))) for n in range(1, world + 1)}
     share = slice(comm.rank(), None, COMPILERS) if comm.rank() < COMPILERS else slice(0)
-    out["warmed"] = warm.warm(warm.checked(None)[share]) if comm.rank() < COMPILERS else {}
+    out["warmed"] = warm.warm(warm.checked(None)[share])
     with fused.compiling(True):
         for F, R in SHAPES:
             out["passes"] |= _check_passes(F, R, share)

@@ -83,13 +83,13 @@ def example_calls(rows: int = 5, columns: int = 300, seed: int = 0) -> dict[str,
 
 
 def checked(names: list[str] | None) -> list[str]:
-    """``names`` (every call of :func:`example_calls` when None or empty), or ``ValueError``
-    naming the unknown ones and the known ones."""
+    """``names`` (every call of :func:`example_calls` when None), or ``ValueError`` naming the
+    unknown ones and the known ones."""
     known = sorted(example_calls(1, 1))
     unknown = sorted(set(names or ()) - set(known))
     if unknown:
         raise ValueError(f"unknown pass(es) {', '.join(unknown)}; the passes are: {', '.join(known)}")
-    return list(names or known)
+    return known if names is None else list(names)
 
 
 def warm(names: list[str] | None = None) -> dict[str, float | None]:
@@ -111,6 +111,8 @@ def warm_in_processes(names: list[str] | None, jobs: int, threads: int) -> dict[
     """:func:`warm` split over ``jobs`` fresh processes of ``threads`` threads each (the count the
     cache will serve), side by side; as :func:`warm`, in the order of ``names``."""
     names = checked(names)
+    if not names:
+        return {}
     shares = [names[i::jobs] for i in range(min(jobs, len(names)))]
     context = multiprocessing.get_context("spawn")  # no torch state inherited: each compiles from scratch
     with concurrent.futures.ProcessPoolExecutor(len(shares), mp_context=context) as pool:
