@@ -7,7 +7,8 @@ Run: ``.venv/bin/python benchmarks/bench_passes.py``. Per configuration and samp
 (wall ms on the slowest rank, 2 ranks per core) beside the floor (one row-max pass plus an
 all-gather of 16 bytes per row); ``coll``: collectives per call, ``reads``: host reads of device
 values per call (busiest rank; counted in a further, untimed call). Then, side by side, the
-functional call with the threshold search's rounds always on the listed bucket and as shipped.
+functional call with the threshold search's rounds always on the listed bucket and as shipped,
+and with every top-p row searched and as shipped (top-p rows drawn from their pool first).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from vocabpar import SamplingParams, VocabLayout, comm, sample
 from vocabpar.launch import run
-from vocabpar.sampling import Sampler, fused, search
+from vocabpar.sampling import Sampler, fused, search, sharded
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_sampling as bs  # noqa: E402
@@ -30,20 +31,31 @@ NAMES = ("top-p 0.9 (flat)", "top-p 0.9 (zipf)", "top-k 1000 (peaked)", "min-p 0
          "top-p 0.9 (peaked)")
 
 
-def _listed_and_default(fn) -> tuple[float, float, bool]:
-    """Seconds of one call of ``fn`` (a ``sample()``) with the threshold search's rounds always on
-    its listed bucket, then as shipped (in place when the bucket holds over ``1 / DENSE_SHARE`` of
-    the shard), each after a warm-up call; and whether both draw the same tokens."""
-    shipped, seconds, tokens = search.DENSE_SHARE, [], []
-    for share in (1, shipped):
-        search.DENSE_SHARE = share
+def _side_by_side(fn, module, name: str, values: tuple) -> tuple[float, float, bool]:
+    """Seconds of one call of ``fn`` (a ``sample()``) with ``module.name`` set to each of two
+    ``values``, each after a warm-up call; and whether both draw the same tokens."""
+    shipped, seconds, tokens = getattr(module, name), [], []
+    for value in values:
+        setattr(module, name, value)
         fn()
         torch.distributed.barrier()
         start = time.perf_counter()
         tokens.append(fn().tokens)
         seconds.append(time.perf_counter() - start)
-    search.DENSE_SHARE = shipped
+    setattr(module, name, shipped)
     return seconds[0], seconds[1], torch.equal(*tokens)
+
+
+ALTERNATIVES = {
+    "search": (search, "DENSE_SHARE", (1, search.DENSE_SHARE), "listed", "shipped",
+               "the search's rounds on the listed bucket vs as shipped (in place when the bucket "
+               f"holds over 1/{search.DENSE_SHARE} of the shard)"),
+    "nominee": (sharded, "NOMINATE_FROM", (2.0, sharded.NOMINATE_FROM), "search", "nominee",
+                "every top-p row searched for its threshold vs top-p rows drawn from their pool "
+                "first, searched only when the token lies outside the nucleus (as shipped)"),
+}
+"""Side-by-side runs of the functional ``sample()``: a module constant set to the form not
+shipped, then to the shipped one."""
 
 
 def _job(names: tuple[str, ...]) -> dict:
@@ -83,14 +95,15 @@ def _job(names: tuple[str, ...]) -> dict:
             with comm.recording() as sent:  # an untimed call: the read counter slows every op
                 reads = bs._reads(fn)
             out[name, which] = (total, dict(spent), floor, len(sent), reads)
-        out[name, "search"] = _listed_and_default(paths[0][1])
+        for alternative, (module, constant, values, *_) in ALTERNATIVES.items():
+            out[name, alternative] = _side_by_side(paths[0][1], module, constant, values)
     return out
 
 
 def main() -> None:
     per_rank = run(_job, bs.N, NAMES, run_timeout=1800, timeout=300)
     print(f"B={bs.B} V={bs.V} ranks={bs.N} gloo, FP32; one call, slowest rank; ms")
-    for key in [k for k in per_rank[0] if k[1] != "search"]:
+    for key in [k for k in per_rank[0] if k[1] not in ALTERNATIVES]:
         total, spent, floor, calls, _ = max(per_rank, key=lambda r: r[key][0])[key]
         reads = max(r[key][4] for r in per_rank)
         passes = sum(spent.values())
@@ -98,15 +111,13 @@ def main() -> None:
         print(f"{key[0]:<22}{key[1]:<7} coll {calls} reads {reads:>3}  total {total * 1e3:6.0f}  "
               f"passes {passes * 1e3:5.0f}  rest {(total - passes) * 1e3:5.0f}  "
               f"floor {floor * 1e3:5.1f} | {top}")
-
-    print(f"functional sample(), the search's rounds on the listed bucket vs as shipped (in place when "
-          f"the bucket holds over 1/{search.DENSE_SHARE} of the shard); one call each, slowest rank; ms")
-    for name in NAMES:
-        listed, shipped = (max(r[name, "search"][i] for r in per_rank) for i in (0, 1))
-        equal = all(r[name, "search"][2] for r in per_rank)
-        print(f"{name:<22} listed {listed * 1e3:6.0f}  shipped {shipped * 1e3:6.0f}  "
-              f"({listed / shipped:.2f}x)  same tokens: {equal}")
-
+    for alternative, (*_, other, shipped, what) in ALTERNATIVES.items():
+        print(f"functional sample(), {what}; one call each, slowest rank; ms")
+        for name in NAMES:
+            a, b = (max(r[name, alternative][i] for r in per_rank) for i in (0, 1))
+            equal = all(r[name, alternative][2] for r in per_rank)
+            print(f"{name:<22} {other} {a * 1e3:6.0f}  {shipped} {b * 1e3:6.0f}  ({a / b:.2f}x)  "
+                  f"same tokens: {equal}")
 
 if __name__ == "__main__":
     main()

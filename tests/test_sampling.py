@@ -709,11 +709,13 @@ COLLECTIVE_COUNTS = {
     "greedy": ("peaked", SamplingParams(temperature=0), 1),
     "mixed": ("peaked", SamplingParams(temperature=0.8, top_k=50, top_p=0.95, min_p=0.05), 1),
     "top-p peaked": ("peaked", SamplingParams(top_p=0.9), 2),
-    "top-p zipf": ("zipf", SamplingParams(top_p=0.9), 4),
-    "top-p flat": ("flat", SamplingParams(top_p=0.9), 4),
+    "top-p zipf": ("zipf", SamplingParams(top_p=0.9), 3),  # every row's pool winner is in its nucleus
+    "top-p flat": ("flat", SamplingParams(top_p=0.9), 6),  # some are not: a search for those rows
     "top-k 1000": ("peaked", SamplingParams(top_k=1000), 4),
     "min-p flat": ("flat", SamplingParams(min_p=0.1), 2),
-    "top-p flat logprobs": ("flat", SamplingParams(top_p=0.9, logprobs=2), 6),
+    "top-p flat logprobs": ("flat", SamplingParams(top_p=0.9, logprobs=2), 8),
+    # the kept sets are returned: every row's threshold is searched, no row is drawn from its pool
+    "top-p flat processed": ("flat", SamplingParams(top_p=0.9, logprobs=2, logprobs_of="processed"), 6),
 }
 
 

@@ -75,13 +75,28 @@ class Draw:
         key ``[N]``) tokens that include all of them, each scored exactly; else from the shard,
         where the certainly kept candidates give a lower bound on it, so the noise bound prunes
         most tokens first."""
+        r, _, ids, score = self._contenders(top_key, listed)
+        return row_argmax(r, ids, score, top_key.shape[0])
+
+    def best_with_logit(self, top_key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`certain_best` from the shard, with the winner's logit (float64 ``[F]``, NaN
+        where the row has none)."""
+        r, col, ids, score = self._contenders(top_key, None)
+        best, token = row_argmax(r, ids, score, top_key.shape[0])
+        won = (ids == token[r]) & (token[r] >= 0)  # each row's winning entry (ids are distinct in a row)
+        r, col = r[won], col[won]
+        logit = torch.full_like(best, float("nan")).index_put_((r,), self.x[r, col].double())
+        return best, token, logit
+
+    def _contenders(self, top_key: torch.Tensor, listed: tuple[torch.Tensor, ...] | None) -> tuple:
+        """Row, column, id and score ``[N]`` of tokens among which :meth:`certain_best` lies."""
         F = top_key.shape[0]
         if listed is not None:
             r, col, key = listed
             up = key >= top_key[r]
             r, col = r[up], col[up]
             score = self.score(r, col)
-            return row_argmax(r, torch.where(score > NEG_INF, self.ids[col], -1), score, F)
+            return r, col, torch.where(score > NEG_INF, self.ids[col], -1), score
         top_value = key_value(top_key.clamp(max=2**32 - 1) - 2**31).double()
         thr = torch.where(top_key < 2**32, top_value, float("inf"))
         sure = (self.cand_id >= 0) & (self.cand >= thr[:, None]) & (self.cand_z >= self.min_z[:, None])
@@ -89,7 +104,8 @@ class Draw:
         sure_ids = self.cand_id[b, j]
         floor, _ = row_argmax(b, sure_ids, scored(self.cand_z[b, j], self.keys[b], sure_ids), F)
         r, col, z = contenders(self.x, self.ids, thr, self.temperature, self.min_z, floor, self.keys)
-        return row_argmax(r, self.ids[col], scored(z, self.keys[r], self.ids[col]), F)
+        ids = self.ids[col]
+        return r, col, ids, scored(z, self.keys[r], ids)
 
     def score(self, r: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
         """``z + G`` of the listed tokens, -inf where min-p drops them."""

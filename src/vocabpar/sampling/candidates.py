@@ -1,0 +1,96 @@
+"""The sampler's first round: the candidates each rank sends, and what they tell about the rest.
+
+Per row, each rank sends its shard's maximum and its ``c`` largest values with their ids
+(:func:`vocabpar.wire.records.round_one`); every threshold the sampler certifies without a search
+comes from the merged candidates, and the largest value a rank did not send bounds the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from vocabpar.sampling.params import Rows
+from vocabpar.sampling.ranks import Ranks
+from vocabpar.sampling.semantics import NEG_INF, mass_shift
+from vocabpar.wire.records import round_one
+from vocabpar.wire.scripts import MAX_CANDIDATES, candidate_count
+
+
+@dataclass(frozen=True)
+class RoundOne:
+    """Gathered per-rank facts, each ``[n, B, ...]``."""
+
+    max: torch.Tensor  # float64 [n, B], NaN where the shard's row has a NaN logit
+    max_id: torch.Tensor  # int64 [n, B]
+    cand: torch.Tensor  # float64 [n, B, c] values (float32-exact), desc
+    cand_id: torch.Tensor  # int64 [n, B, c], -1 = none
+
+
+def candidates_per_rank(rows: Rows, V: int, ranks: Ranks) -> int:
+    """Round-one candidates each rank sends per row for these rows' parameters (0: all greedy)."""
+    sampled = ~rows.greedy
+    if not sampled.any():
+        return 0
+    k = rows.top_k[sampled]
+    small_k = k[(k > 0) & (k <= MAX_CANDIDATES)]
+    top_k = int(small_k.max()) if small_k.numel() else 0
+    return candidate_count(ranks.n, max(ranks.real_counts), top_k=top_k,
+                           top_p=bool((rows.top_p[sampled] < 1).any()),
+                           min_p=bool((rows.min_p[sampled] > 0).any()))
+
+
+def shard_top(x: torch.Tensor, ids: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This shard's ``c`` largest values with their ids, padded with (-inf, -1). Ties at the c-th
+    value are broken arbitrarily: thresholds only need the values, and a padding column may
+    stand in for a real -inf token. ``x``: ``[B, columns]``; ``ids``: ``[columns]``."""
+    B, R = x.shape
+    vals = torch.full((B, c), NEG_INF, dtype=torch.float64)
+    cid = torch.full((B, c), -1, dtype=torch.long)
+    m = min(c, R)
+    if m:
+        cols = x.topk(m, 1).indices
+        vals[:, :m], cid[:, :m] = x.gather(1, cols).double(), ids[cols]
+    return vals, cid
+
+
+def gather_round_one(raw: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, c: int, ranks: Ranks) -> RoundOne:
+    """One all-gather of :func:`vocabpar.wire.records.round_one`: per row, the shard's (max,
+    lowest id) with NaN folded into the max, then its top-``c`` candidates. ``raw``, ``x``:
+    ``[B, columns]`` (raw and processed logits); ``ids``: ``[columns]``."""
+    B, R = x.shape
+    if R:
+        xmax, col = x.max(1)  # first maximum: storage order is id order
+        xmax_id = ids[col]
+    else:
+        xmax, xmax_id = torch.full((B,), NEG_INF), torch.full((B,), -1)
+    has_nan = xmax.isnan() if x is raw else torch.where(ids >= 0, raw, 0.0).isnan().any(1)
+    # one candidate is the max itself: no second pass over the shard
+    cand, cand_id = (xmax.double()[:, None], xmax_id[:, None]) if c == 1 else shard_top(x, ids, c)
+    record = round_one(c)
+    got = record.unpack(ranks.gather(record.pack(max=torch.where(has_nan, float("nan"), xmax.double()),
+                                                 max_id=xmax_id, values=cand, ids=cand_id)))
+    return RoundOne(got.max, got.max_id, got.values, got.ids)
+
+
+def unsent_mass(first: RoundOne, t: torch.Tensor, z_max: torch.Tensor, ranks: Ranks, V: int) -> torch.Tensor:
+    """A guess (float64 ``[B]``, in the units of
+    :func:`~vocabpar.sampling.semantics.scaled_mass`) of the mass of the tokens no rank sent:
+    each rank's tail continues the power law through its candidates of ranks c/2 and c
+    (geometric tails, flat tails and Zipf tails all fit one), for as many tokens as it holds.
+    Used only to choose between two exact paths."""
+    c = first.cand.shape[2]
+    half = max(c // 2, 1)
+    last = torch.exp(first.cand[..., c - 1] / t - z_max).nan_to_num(0.0)
+    middle = torch.exp(first.cand[..., half - 1] / t - z_max)
+    a = (torch.log(middle / last) / math.log(c / half)).nan_to_num(0.0).clamp(min=0.0, max=50.0)
+    unsent = torch.tensor([max(count - c, 0) for count in ranks.real_counts], dtype=torch.float64)[:, None]
+    # sum over j in (c, c + unsent] of last * (c / j)**a, as an integral
+    one = (a - 1).abs() < 1e-6
+    power = torch.where(one, 0.5, 1 - a)
+    grown = ((1 + unsent / c) ** power - 1) / power
+    tail = last * c * torch.where(one, torch.log1p(unsent / c), grown)
+    return tail.sum(0) * 2.0 ** mass_shift(V)
+
