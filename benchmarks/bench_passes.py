@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_sampling as bs  # noqa: E402
 
 NAMES = ("top-p 0.9 (flat)", "top-p 0.9 (zipf)", "top-k 1000 (peaked)", "min-p 0.1 (flat)",
-         "top-p 0.9 (peaked)")
+         "top-p 0.9 (peaked)", "t0.8 k50 p0.95 minp0.05")
 
 
 def _side_by_side(fn, module, name: str, values: tuple) -> tuple[float, float, bool]:
@@ -108,7 +108,7 @@ def main() -> None:
         reads = max(r[key][4] for r in per_rank)
         passes = sum(spent.values())
         top = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in sorted(spent.items(), key=lambda kv: -kv[1]))
-        print(f"{key[0]:<22}{key[1]:<7} coll {calls} reads {reads:>3}  total {total * 1e3:6.0f}  "
+        print(f"{key[0]:<24}{key[1]:<7} coll {calls} reads {reads:>3}  total {total * 1e3:6.0f}  "
               f"passes {passes * 1e3:5.0f}  rest {(total - passes) * 1e3:5.0f}  "
               f"floor {floor * 1e3:5.1f} | {top}")
     for alternative, (*_, other, shipped, what) in ALTERNATIVES.items():
@@ -116,7 +116,7 @@ def main() -> None:
         for name in NAMES:
             a, b = (max(r[name, alternative][i] for r in per_rank) for i in (0, 1))
             equal = all(r[name, alternative][2] for r in per_rank)
-            print(f"{name:<22} {other} {a * 1e3:6.0f}  {shipped} {b * 1e3:6.0f}  ({a / b:.2f}x)  "
+            print(f"{name:<24} {other} {a * 1e3:6.0f}  {shipped} {b * 1e3:6.0f}  ({a / b:.2f}x)  "
                   f"same tokens: {equal}")
 
 if __name__ == "__main__":

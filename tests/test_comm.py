@@ -124,7 +124,7 @@ def test_exception_reraised_with_rank_and_traceback():
 def _rank_0_done_at_once():
     import torch.distributed as dist
 
-    if comm.rank() == 0:  # rank 0 hosts the rendezvous store, and returns before the others use it
+    if comm.rank() == 0:  # returns before the others use the rendezvous and their connections
         return 0
     time.sleep(0.5)
     group = dist.new_group([1, 2], use_local_synchronization=True)
@@ -132,8 +132,9 @@ def _rank_0_done_at_once():
 
 
 def test_a_finished_rank_stays_until_every_rank_has_reported():
-    """A rank that returned early must not take the store (or its connections) away from peers
-    still using it: before, ranks 1 and 2 failed here with ``DistNetworkError: Broken pipe``."""
+    """A rank that returned early must not take the rendezvous (or its connections) away from
+    peers still using it: with rank 0 hosting a TCP store, ranks 1 and 2 once failed here with
+    ``DistNetworkError: Broken pipe``."""
     assert run(_rank_0_done_at_once, 3, timeout=20) == [0, 2, 2]
 
 
