@@ -5,8 +5,9 @@ ranks (B=256, V=129280, FP32; the configurations and logits of ``bench_sampling.
 Run: ``.venv/bin/python benchmarks/bench_passes.py``. Per configuration and sampler (the functional
 ``sample()`` and the engine ``Sampler``), after two warm-up calls, one call with every pass timed
 (wall ms on the slowest rank, 2 ranks per core) beside the floor (one row-max pass plus an
-all-gather of 16 bytes per row); ``coll``: collectives per call, ``reads``: host reads of device
-values per call (busiest rank; counted in a further, untimed call). Then, side by side, the
+all-gather of 16 bytes per row); ``coll``: collectives per call, ``bytes``: bytes received per
+call, ``reads``: host reads of device values per call (busiest rank; counted in a further,
+untimed call). Then, side by side, the
 functional call with the threshold search's rounds always on the listed bucket and as shipped,
 and with every top-p row searched and as shipped (top-p rows drawn from their pool first).
 """
@@ -94,7 +95,7 @@ def _job(names: tuple[str, ...]) -> dict:
             floor = time.perf_counter() - start
             with comm.recording() as sent:  # an untimed call: the read counter slows every op
                 reads = bs._reads(fn)
-            out[name, which] = (total, dict(spent), floor, len(sent), reads)
+            out[name, which] = (total, dict(spent), floor, len(sent), reads, sum(b for _, b in sent))
         for alternative, (module, constant, values, *_) in ALTERNATIVES.items():
             out[name, alternative] = _side_by_side(paths[0][1], module, constant, values)
     return out
@@ -104,11 +105,12 @@ def main() -> None:
     per_rank = run(_job, bs.N, NAMES, run_timeout=1800, timeout=300)
     print(f"B={bs.B} V={bs.V} ranks={bs.N} gloo, FP32; one call, slowest rank; ms")
     for key in [k for k in per_rank[0] if k[1] not in ALTERNATIVES]:
-        total, spent, floor, calls, _ = max(per_rank, key=lambda r: r[key][0])[key]
-        reads = max(r[key][4] for r in per_rank)
+        total, spent, floor, calls, *_ = max(per_rank, key=lambda r: r[key][0])[key]
+        reads, received = (max(r[key][i] for r in per_rank) for i in (4, 5))
         passes = sum(spent.values())
         top = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in sorted(spent.items(), key=lambda kv: -kv[1]))
-        print(f"{key[0]:<24}{key[1]:<7} coll {calls} reads {reads:>3}  total {total * 1e3:6.0f}  "
+        print(f"{key[0]:<24}{key[1]:<7} coll {calls} bytes {received:>10,} reads {reads:>3}  "
+              f"total {total * 1e3:6.0f}  "
               f"passes {passes * 1e3:5.0f}  rest {(total - passes) * 1e3:5.0f}  "
               f"floor {floor * 1e3:5.1f} | {top}")
     for alternative, (*_, other, shipped, what) in ALTERNATIVES.items():
