@@ -128,14 +128,16 @@ def test_score_rejects_bad_ids(capsys):
     assert "integers in [0, 50257)" in capsys.readouterr().err
 
 
-def test_warm_compiles_the_named_passes_in_a_fresh_process(capsys):
-    """One pass (the cheapest to compile) in a process of one thread, into Inductor's on-disk
-    cache (that other processes load from it is pinned by test_fused: its ranks run the passes
-    two others compiled)."""
+def test_warm_compiles_the_named_passes_in_a_fresh_process(capsys, monkeypatch, tmp_path):
+    """One pass (the cheapest to compile) in a process of one thread, into the store named by
+    the environment (that other processes load from it is pinned by test_fused: its ranks run
+    the passes two others compiled)."""
+    monkeypatch.setenv("VOCABPAR_PASS_STORE", str(tmp_path))
     assert main(["warm", "--passes", "order_keys", "--jobs", "1", "--threads", "1"]) == 0
     out = capsys.readouterr().out
-    assert "compiling 1 pass for processes of 1 thread(s), 1 at a time, into /" in out
+    assert f"compiling 1 pass for processes of 1 thread(s), 1 at a time, into {tmp_path}" in out
     assert "order_keys" in out and "s in all" in out
+    assert [p.name.split("-")[0] for p in tmp_path.glob("*/*.aot")] == ["_order_keys"]
 
 
 @pytest.mark.parametrize("args, why", [
@@ -152,13 +154,14 @@ def _data_dependent(x):
     return x * 2 if x.sum().item() > 0 else x  # a branch on a value: no single graph to compile
 
 
-def test_warm_names_a_pass_that_cannot_compile_and_exits_1(monkeypatch, capsys):
+def test_warm_names_a_pass_that_cannot_compile_and_exits_1(monkeypatch, capsys, tmp_path):
     """A pass Inductor cannot compile: ``warm`` reports it (in this process here, not a pool) and
     exits 1; the pass warned once and runs eager with the eager result."""
     import torch
 
     from vocabpar.sampling import fused, warm
 
+    monkeypatch.setenv("VOCABPAR_PASS_STORE", str(tmp_path))
     broken = fused.Fused(_data_dependent)
     monkeypatch.setattr(warm, "example_calls", lambda *args: {"data_dependent": (broken, (torch.ones(3),))})
     monkeypatch.setattr(warm, "warm_in_processes", lambda names, jobs, threads: warm.warm(names))
@@ -169,3 +172,4 @@ def test_warm_names_a_pass_that_cannot_compile_and_exits_1(monkeypatch, capsys):
     assert re.search(r"data_dependent +FAILED", out)
     assert "data_dependent could not compile" in err and "run eager, with the same results" in err
     assert broken.broken and torch.equal(broken(torch.ones(3)), torch.full((3,), 2.0))
+    assert not list(tmp_path.rglob("*.aot"))

@@ -3,8 +3,8 @@ pass and shape, the same tokens from ``sample``, ``verify`` and the engine ``Sam
 same logprobs and top-n from ``token_logprobs`` at 1-4 ranks (tokens and top ids equal to the
 reference too), one compilation per pass whatever the shapes; and the float64 ``log`` / ``exp``
 they rest on against libm. The rest of the suite runs the passes eager (``VOCABPAR_COMPILE=0``
-in conftest): in the one launch here two ranks compile half the passes each and every rank
-then loads them all from Inductor's on-disk cache."""
+in conftest): in the one launch here two ranks compile half the passes each into an empty store
+and every rank then loads them all from it."""
 
 import dataclasses
 import math
@@ -27,7 +27,7 @@ from vocabpar import (
     token_logprobs,
 )
 from vocabpar.launch import run
-from vocabpar.sampling import Sampler, fused, search, verify, warm
+from vocabpar.sampling import Sampler, fused, search, store, verify, warm
 from vocabpar.sampling.semantics import mass_bits, rank_key
 
 V, B, K, TOP_N = 3000, 6, 2, 3
@@ -133,12 +133,12 @@ def _check_passes(F: int, R: int, share: slice) -> dict[tuple[str, int, int], bo
 SHAPES = ((5, 300), (1, 1000), (9, 7), (64, 513))
 COMPILERS = 2
 """Ranks that compile the passes, half each (one per core of a 2-core machine) while the others
-wait: every rank then loads every pass from Inductor's on-disk cache."""
+wait: every rank then loads every pass from the store."""
 
 
-def _graphs(fn) -> int:
-    """How many graphs Dynamo holds for ``fn`` in this process."""
-    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__))
+def _programs(f: fused.Fused) -> int:
+    """How many programs ``f`` holds in this process."""
+    return sum(map(len, f.programs.values()))
 
 
 def _specialising(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -148,20 +148,46 @@ def _specialising(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def _past_the_recompile_limit() -> dict:
     """A pass called in more conventions than Dynamo's recompile limit (2 here): the outputs,
-    the warnings, its state and its graphs."""
+    the warnings, its state and its programs."""
     specialising, x = fused.Fused(_specialising), torch.arange(3.0)
     with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(recompile_limit=2):
         warnings.simplefilter("always")
         got = [specialising(x, n) for n in (1, 2, 4, 8, 1)]
     return {"got": got, "warnings": [str(w.message) for w in caught if w.category is RuntimeWarning],
-            "broken": specialising.broken, "full": specialising.full, "graphs": _graphs(_specialising)}
+            "broken": specialising.broken, "full": specialising.full, "programs": _programs(specialising)}
 
 
-def _ranks_job(world: int) -> dict:
+def _store_keeps_programs_apart(directory: str) -> dict:
+    """In a store of its own: how a pass object fares (programs compiled, loaded; outputs) where a
+    torn file lies where its program belongs, then in a fresh object (as a new process), then for
+    an int its program's guards reject (``bit_length`` specialises it), then again fresh."""
+    before, os.environ[store.DIRECTORY] = os.environ[store.DIRECTORY], directory
+    x, out = torch.arange(3.0), {}
+    try:
+        fused.Fused(_specialising)(x, 1)
+        (torn,) = list(store.directory().glob("*/*.aot"))
+        torn.write_bytes(b"torn")
+        def call(f: fused.Fused, *ints: int) -> tuple[int, int, bool]:
+            right = [torch.equal(f(x, n), x + n.bit_length()) for n in ints]
+            return f.compiled, f.loaded, all(right)
+
+        out["over torn"] = call(fused.Fused(_specialising), 1)
+        out["fresh"] = call(fused.Fused(_specialising), 1)
+        out["other int"] = call(again := fused.Fused(_specialising), 1, 2)
+        out["fresh, both"] = call(fused.Fused(_specialising), 1, 2)
+        out["other int, again"] = call(again, 2, 1)
+        out["files"] = sorted(p.name.rsplit("-", 1)[1] for p in store.directory().glob("*/*.aot"))
+    finally:
+        os.environ[store.DIRECTORY] = before
+    return out
+
+
+def _ranks_job(world: int, directory: str) -> dict:
     """Every check on this rank, compiled: its share of the passes (in every calling convention)
     at several shapes against eager, then at each world size 1..``world`` (subgroups of the first
     n ranks) the tokens of sample, verify and the engine compiled and eager (the main process
-    compares them with the reference's)."""
+    compares them with the reference's). The programs are kept in ``directory``."""
+    os.environ[store.DIRECTORY] = directory
     torch.manual_seed(0)
     out: dict = {"passes": {}, "tokens": {}}
     groups = {n: dist.new_group(list(range(n))) for n in range(1, world + 1)}
@@ -170,24 +196,29 @@ def _ranks_job(world: int) -> dict:
     with fused.compiling(True):
         for F, R in SHAPES:
             out["passes"] |= _check_passes(F, R, share)
-        if comm.rank() == COMPILERS:  # a rank that waits for the compilers meanwhile
+        if comm.rank() == COMPILERS:  # ranks that wait for the compilers meanwhile
             out["limit"] = _past_the_recompile_limit()
+        if comm.rank() == COMPILERS + 1:
+            out["store"] = _store_keeps_programs_apart(os.path.join(directory, "own"))
         dist.barrier()
-        out["passes"] |= _check_passes(2, 5, slice(None))  # every pass, loaded from the cache
+        out["passes"] |= _check_passes(2, 5, slice(None))  # every pass, loaded from the store
         for n in range(1, world + 1):
             if comm.rank() < n:
                 out["tokens"] |= _tokens(n, groups[n])
-    out["compiled"] = sorted(fused.COMPILE_SECONDS)
+    out["ran"] = sorted(fused.COMPILE_SECONDS)
+    out["compiled"] = sorted(f.__name__ for f in PASSES.values() if f.compiled)
+    out["loaded"] = sorted(f.__name__ for f in PASSES.values() if f.loaded)
     out["broken"] = sorted(k for k, f in PASSES.items() if f.broken)
-    out["graphs"] = {name: _graphs(f.fn) for name, f in PASSES.items()}
+    out["programs"] = {name: _programs(f) for name, f in PASSES.items()}
     return out
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[dict]:
+def ranks(tmp_path_factory) -> list[dict]:
     if shutil.which(os.environ.get("CXX", "g++")) is None:
         pytest.skip("no C++ compiler for Inductor: the passes run eager (the rest of the suite checks them)")
-    return run(_ranks_job, 4, 4, timeout=600, run_timeout=1200, threads_per_rank=1)
+    directory = str(tmp_path_factory.mktemp("passes"))
+    return run(_ranks_job, 4, 4, directory, timeout=600, run_timeout=1200, threads_per_rank=1)
 
 
 def test_every_pass_compiled_gives_the_eager_bits(ranks):
@@ -197,15 +228,20 @@ def test_every_pass_compiled_gives_the_eager_bits(ranks):
     assert ranks[0]["warmed"].keys() | ranks[1]["warmed"].keys() == names
     compiled_here = ranks[0]["passes"].keys() | ranks[1]["passes"].keys()
     assert compiled_here >= {(name, F, R) for name in names for F, R in SHAPES}
-    for rank in ranks:  # and every rank ran every pass from the cache
+    for rank in ranks:  # and every rank ran every pass from the store
         assert {name for name, F, R in rank["passes"] if (F, R) == (2, 5)} == names
         assert all(rank["passes"].values()), [k for k, ok in rank["passes"].items() if not ok]
     assert not any(rank["broken"] for rank in ranks)
-    assert all({f.__name__ for f in PASSES.values()} <= set(rank["compiled"]) for rank in ranks)
+    every = {f.__name__ for f in PASSES.values()}
+    assert all(every <= set(rank["ran"]) for rank in ranks)
+    # the compiling ranks split the passes; the waiting ranks compiled none, they loaded them all
+    assert set(ranks[0]["compiled"]) | set(ranks[1]["compiled"]) == every
+    assert not ranks[2]["compiled"] and not ranks[3]["compiled"], (ranks[2]["compiled"], ranks[3]["compiled"])
+    assert set(ranks[2]["loaded"]) == set(ranks[3]["loaded"]) == every
 
 
 def test_each_pass_compiles_once_whatever_the_shapes(ranks):
-    """One graph per pass and calling convention: batch sizes, widths (1 included), world sizes
+    """One program per pass and calling convention: batch sizes, widths (1 included), world sizes
     and parameters never recompile. Some passes have two calling conventions: ``best_kept`` and
     ``first_max`` take a shard (ids per column) or merged candidates (ids per entry), ``masses``
     a float32 shard or float64 candidates, ``logit_histogram`` unit weights or masses (a static
@@ -213,8 +249,8 @@ def test_each_pass_compiles_once_whatever_the_shapes(ranks):
     conventions = {"first_max": 2, "logit_histogram": 2, "best_kept": 2, "masses": 2, "histogram": 2,
                    "members": 2}
     for rank in ranks:
-        assert all(count <= conventions.get(name, 1) for name, count in rank["graphs"].items()), \
-            str(rank["graphs"])
+        assert all(count <= conventions.get(name, 1) for name, count in rank["programs"].items()), \
+            str(rank["programs"])
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -243,7 +279,17 @@ def test_past_the_recompile_limit_new_conventions_run_eager_and_the_compiled_one
     x = torch.arange(3.0)
     assert all(torch.equal(got, x + n.bit_length()) for got, n in zip(limit["got"], (1, 2, 4, 8, 1)))
     assert len(limit["warnings"]) == 1 and "recompile limit" in limit["warnings"][0], limit["warnings"]
-    assert limit["full"] and not limit["broken"] and limit["graphs"] == 2
+    assert limit["full"] and not limit["broken"] and limit["programs"] == 2
+
+
+def test_the_store_replaces_a_torn_file_and_keeps_one_program_per_guarded_int(ranks):
+    """A torn file is compiled over, then loaded by a fresh pass object; an int the first
+    program's guards reject gets a second file, and a fresh object loads the right one for each."""
+    got = ranks[COMPILERS + 1]["store"]
+    assert got["over torn"] == (1, 0, True) and got["fresh"] == (0, 1, True), got
+    assert got["other int"] == (1, 1, True) and got["fresh, both"] == (0, 2, True), got
+    assert got["other int, again"] == (1, 1, True), got  # its programs stay in the object
+    assert got["files"] == ["0.aot", "1.aot"], got
 
 
 def test_histogram_bins_fit_int32_only_where_no_bin_can_overflow():

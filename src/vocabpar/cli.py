@@ -250,18 +250,17 @@ def cmd_score(args: argparse.Namespace) -> int:
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
-    """Compile the passes named (or all) into Inductor's on-disk cache: exit 1 if one could not
-    compile; ``ValueError`` (exit 2) for an unknown name, before anything compiles."""
+    """Compile the passes named (or all) into the store of compiled passes: exit 1 if one could
+    not compile; ``ValueError`` (exit 2) for an unknown name, before anything compiles."""
     import torch
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    from vocabpar.sampling import warm
+    from vocabpar.sampling import store, warm
 
     names = warm.checked(args.passes.split(",") if args.passes else None)
     threads = args.threads or torch.get_num_threads()
     jobs = args.jobs or os.cpu_count() or 1
     print(f"compiling {len(names)} pass{'es' if len(names) > 1 else ''} for processes of {threads} "
-          f"thread(s), {jobs} at a time, into {cache_dir()}", flush=True)
+          f"thread(s), {jobs} at a time, into {store.directory()}", flush=True)
     start = time.perf_counter()
     seconds = warm.warm_in_processes(names, jobs, threads)
     print(format_table(("pass", "seconds"), [(name, "FAILED" if s is None else f"{s:.1f}")
@@ -272,7 +271,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
               f"run eager, with the same results, only slower", file=sys.stderr)
         return 1
     print(f"\n{time.perf_counter() - start:.0f} s in all. A process of {threads} thread(s) on this machine "
-          f"now loads these passes from the cache instead of compiling them; another thread count "
+          f"now loads these passes from the store instead of compiling them; another thread count "
           f"compiles anew.")
     return 0
 
@@ -436,10 +435,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("warm", help="compile the sampler's local passes ahead of serving",
                        description="Compile every local pass of the samplers, in every calling convention, "
-                                   "into Inductor's on-disk cache, so that a later process's first call "
-                                   "loads them instead of compiling (minutes on a cold cache). The cache "
-                                   "serves processes with the same number of threads only.")
-    _number(p, "--threads", int, (1, 1024), "threads of the processes that will use the cache (default: "
+                                   "into the store of compiled passes (VOCABPAR_PASS_STORE, by default in "
+                                   "Inductor's cache directory), so that a later process's first call "
+                                   "loads them in milliseconds instead of compiling (about a minute). The "
+                                   "store serves processes with the same number of threads only.")
+    _number(p, "--threads", int, (1, 1024), "threads of the processes that will use the store (default: "
             "torch's default here)")
     _number(p, "--jobs", int, (1, 256), "processes compiling side by side (default: one per core)")
     p.add_argument("--passes", help="comma-separated pass names (default: all; a wrong name lists them)")

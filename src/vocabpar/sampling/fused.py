@@ -4,9 +4,10 @@ is at hand (``torch.compile``: Inductor's C++ on CPU, Triton on CUDA), run op by
 Compiled and eager give the same bits: the passes use only integer operations, comparisons and
 correctly rounded float operations (:mod:`vocabpar.exactmath` supplies ``log`` and ``exp``), and
 Inductor compiles without fusing a product and a sum into one rounding (``-ffp-contract=off`` in
-C++, ``emulate_precision_casts`` for Triton). Each pass compiles once per process with every
-dimension dynamic (unbacked, so sizes 0 and 1 do not specialise it): changing the batch, the
-positions or the parameters never recompiles; Inductor's on-disk cache serves later processes.
+C++, ``emulate_precision_casts`` for Triton). Each pass compiles once per calling convention with
+every dimension dynamic (unbacked, so sizes 0 and 1 do not specialise it): changing the batch, the
+positions or the parameters never recompiles; the compiled program is kept on disk
+(:mod:`vocabpar.sampling.store`) and later processes load it in milliseconds.
 ``VOCABPAR_COMPILE=0`` (or :func:`compiling`) runs everything eager; a pass whose compilation
 fails warns once and runs eager, and so does a calling convention past Dynamo's recompile
 limit. Empty inputs run eager (compiled code never sees a size 0). Small inputs run compiled
@@ -22,9 +23,11 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 
+from vocabpar.sampling import store
 from vocabpar.sampling.noise import gumbel, gumbel_bucket, row_keys
 from vocabpar.sampling.semantics import (
     NEG_INF,
@@ -41,7 +44,8 @@ OPTIONS = {"emulate_precision_casts": True, "cpp.fallback_scatter_reduce_sum": F
 """Inductor settings: no fused multiply-add under Triton; int32 scatter-adds generated in the
 loop that computes them (exact in any order) rather than handed to ATen (int64 ones always are)."""
 COMPILE_SECONDS: dict[str, float] = {}
-"""Per pass, the seconds its first compiled call took in this process (compilation included)."""
+"""Per pass, the seconds its first calls in each convention took in this process (compiling or
+loading included)."""
 
 
 @contextlib.contextmanager
@@ -55,53 +59,74 @@ def compiling(on: bool) -> Iterator[None]:
 
 
 class Fused:
-    """A pass ``fn`` of tensors, compiled on first use when enabled; the same bits either way.
-    ``options``: Inductor settings for this pass on top of :data:`OPTIONS`."""
+    """A pass ``fn`` of tensors, compiled on first use in each calling convention when enabled;
+    the same bits either way. ``options``: Inductor settings for this pass on top of
+    :data:`OPTIONS`. A convention compiled before, in this process or another, is loaded from
+    :mod:`vocabpar.sampling.store`."""
 
     def __init__(self, fn: Callable[..., object], options: dict[str, object] | None = None) -> None:
-        self.fn, self.compiled, self.broken, self.full = fn, None, False, False
+        self.fn, self.broken, self.full = fn, False, False
+        self.programs: dict[str, list[store.Program]] = {}
+        """Per calling convention (:func:`~vocabpar.sampling.store.convention`), its programs."""
+        self.compiled = self.loaded = 0
+        """How many of the programs this process compiled, and loaded from the store."""
         self.options = OPTIONS | (options or {})
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: object) -> object:
         args = tuple(_dense(a) if isinstance(a, torch.Tensor) else a for a in args)
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if not _on[0] or self.broken or any(t.numel() == 0 for t in tensors):
+        if not _on[0] or self.broken or any(isinstance(a, torch.Tensor) and a.numel() == 0 for a in args):
             return self.fn(*args)
-        # no size specialises the compiled code, 0 and 1 included; so a pass never takes a size-1
-        # dimension meant to broadcast: it adds it itself (``[:, None]``)
-        for t in tensors:
-            for dim in range(t.dim()):
-                torch._dynamo.decorators.mark_unbacked(t, dim)
-        if self.compiled is not None:
-            return self._compiled_or_eager(args)
-        known = set(torch._inductor.list_options())  # a setting this torch lacks is left out, not fatal
-        options = {k: v for k, v in self.options.items() if k in known}
-        self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True, options=options)
+        programs = self.programs.setdefault(store.convention(args), [])
+        for program in programs:
+            if program.guard_check(*args):
+                return self._compiled_or_eager(program.fn, args)
+        if sum(map(len, self.programs.values())) >= torch._dynamo.config.recompile_limit:
+            return self._past_the_limit(args)
         start = time.perf_counter()
-        out = self._compiled_or_eager(args)
-        COMPILE_SECONDS[self.__name__] = time.perf_counter() - start
+        made = self._compiled_or_eager(self._program, args)
+        if self.broken:
+            return made
+        program, out = made
+        programs.append(program)
+        COMPILE_SECONDS[self.__name__] = COMPILE_SECONDS.get(self.__name__, 0.0) + time.perf_counter() - start
         return out
 
-    def _compiled_or_eager(self, args: tuple[object, ...]) -> object:
-        """The compiled call, or the eager one where compiling fails (a bad input then raises from
-        the eager run, as it would without compilation). Past Dynamo's recompile limit a new
-        calling convention runs eager alone, the compiled ones stay; any other compiler failure
-        makes the pass eager from now on. Each warns once per pass."""
+    def _program(self, *args: object) -> tuple[store.Program, object]:
+        """A program of this pass that serves ``args`` (loaded from the store, else compiled and
+        kept there) and its output on ``args``."""
+        known = set(torch._inductor.list_options())  # a setting this torch lacks is left out, not fatal
+        options = {k: v for k, v in self.options.items() if k in known}
+        found = store.load(self.fn, args, options)
+        if isinstance(found, Path):
+            found = store.compile_and_save(self.fn, args, options, found)
+            self.compiled += 1
+        else:
+            self.loaded += 1
+        return found, found.fn(*args)
+
+    def _compiled_or_eager(self, run: Callable[..., object], args: tuple[object, ...]) -> object:
+        """``run(*args)``, or the eager pass where that fails: a bad input then raises from the
+        eager run, as it would without compilation; a failing compiler makes the pass eager from
+        now on, with one warning."""
         try:
-            return self.compiled(*args)
+            return run(*args)
         except Exception as error:  # noqa: BLE001 -- a missing compiler surfaces as any of several types
             out = self.fn(*args)
-            if not isinstance(error, torch._dynamo.exc.FailOnRecompileLimitHit):
-                self.broken = True
-                warnings.warn(f"vocabpar: compiling {self.__name__} failed, running it eager "
-                              f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})",
-                              RuntimeWarning, stacklevel=4)
-            elif not self.full:
-                self.full = True
-                warnings.warn(f"vocabpar: {self.__name__} reached Dynamo's recompile limit: calling "
-                              f"conventions it has not compiled yet run eager", RuntimeWarning, stacklevel=4)
+            self.broken = True
+            warnings.warn(f"vocabpar: compiling {self.__name__} failed, running it eager "
+                          f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})",
+                          RuntimeWarning, stacklevel=4)
             return out
+
+    def _past_the_limit(self, args: tuple[object, ...]) -> object:
+        """A convention past Dynamo's recompile limit runs eager (one warning per pass); the
+        compiled ones stay."""
+        if not self.full:
+            self.full = True
+            warnings.warn(f"vocabpar: {self.__name__} reached Dynamo's recompile limit: calling "
+                          f"conventions it has not compiled yet run eager", RuntimeWarning, stacklevel=3)
+        return self.fn(*args)
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
