@@ -1,16 +1,18 @@
-"""Compiled passes kept on disk, so that a later process loads a pass instead of tracing it again.
+"""Compiled passes kept on disk, so that a later process loads a pass instead of compiling it again.
 
 ``torch.compile`` keeps Inductor's kernels on disk, but every new process still traces each pass
-with Dynamo before it finds them (about 0.8 s per pass here, 14 s for the sampler's set).
-``aot_compile`` instead saves the traced program itself; loading it takes ~15 ms per pass.
+with Dynamo and lowers it again before it finds them (0.2-9 s per pass here). ``aot_compile``
+saves the traced and lowered program itself; loading one takes ~15 ms (the first load in a
+process also pays Inductor's start-up, ~3 s). Compiling a program this way does not use the
+kernels Inductor cached for ``torch.compile``: a pass missing from the store costs a full compile.
 
-An entry is one pass in one calling convention (per argument: device, dtype and rank of a tensor,
-the value of anything else), under a folder whose name digests everything else its code depends
-on: the torch and Python versions, the CPU's vector instruction set, the thread count (Inductor
-specialises its C++ loops on it), the Inductor settings and the source of the whole ``vocabpar``
-package, so an edited or upgraded install never loads a stale program. Saved programs carry no
-guards (the convention is the guard): a program is only ever called with arguments of the
-convention it was compiled for, and every size is dynamic.
+A program serves one pass in one calling convention (per argument: device, dtype and rank of a
+tensor, the type of an int, the value of anything else); it keeps Dynamo's guards on its
+arguments (tensor metadata, the sizes and int ranges its code assumes) and drops those on module
+globals, which the key stands for instead: the torch and Python versions, the CPU's vector
+instruction set, the thread count (Inductor specialises its C++ loops on it), the Inductor
+settings, the pass's code and the source of every module it can reach. An edited or upgraded
+install therefore never loads a stale program, while an edit elsewhere keeps the store.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import itertools
 import os
 import platform
 import sys
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -69,12 +72,25 @@ def directory() -> Path:
 
 
 @functools.cache
-def _source_digest() -> str:
-    """A digest of every Python file of the ``vocabpar`` package (once per process)."""
-    root = Path(__file__).resolve().parents[1]
+def _source_digest(module: str) -> str:
+    """A digest of the source of ``module`` and of every module it reaches through its globals
+    (modules, and functions or classes defined in a module of the same package), recursively:
+    whatever a pass defined there can read. Once per module and process."""
+    root, seen, todo = module.split(".")[0], set(), [module]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in sys.modules:
+            continue
+        seen.add(name)
+        for value in vars(sys.modules[name]).values():
+            is_module = isinstance(value, types.ModuleType)
+            home = value.__name__ if is_module else getattr(value, "__module__", None)
+            if (is_module or callable(value)) and isinstance(home, str) and home.split(".")[0] == root:
+                todo.append(home)
     digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    for name in sorted(seen):
+        file = getattr(sys.modules[name], "__file__", None)
+        digest.update(name.encode() + b"\0" + (Path(file).read_bytes() if file else b""))
     return digest.hexdigest()
 
 
@@ -83,11 +99,11 @@ def files(fn: Callable[..., object], args: tuple[object, ...], options: dict[str
     ``args`` are kept, in order: the first that does not exist is the next to write."""
     machine = (platform.machine(), torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())
     setting = "|".join([torch.__version__, sys.version, repr(machine),
-                        repr(sorted(options.items())), _source_digest()])
+                        repr(sorted(options.items()))])
     folder = hashlib.sha256(setting.encode()).hexdigest()[:16]
     code = fn.__code__  # the pass itself, also where it is not part of the package (marshal is not stable)
     entry = hashlib.sha256(repr((fn.__module__, fn.__qualname__, code.co_code, code.co_consts, code.co_names,
-                                 convention(args))).encode()).hexdigest()[:16]
+                                 convention(args), _source_digest(fn.__module__))).encode()).hexdigest()[:16]
     return (directory() / folder / f"{fn.__name__}-{entry}-{i}.aot" for i in itertools.count())
 
 
