@@ -110,17 +110,17 @@ def files(fn: Callable[..., object], args: tuple[object, ...], options: dict[str
 def load(fn: Callable[..., object], args: tuple[object, ...], options: dict[str, object]) -> Program | Path:
     """The first program kept for ``fn`` whose guards pass ``args``, or the file to keep a new one
     in. A torn or foreign file is skipped (and overwritten once a new program is compiled)."""
-    for file in files(fn, args, options):
+    for file in files(fn, args, options):  # endless: the loop ends at a missing or unreadable file
         if not file.exists():
-            return file
+            break
         try:
             with file.open("rb") as f:
                 program = torch.compiler.load_compiled_function(f, f_globals=fn.__globals__)
         except Exception:  # noqa: BLE001 -- unpickling a foreign file fails in many ways
-            return file
+            break
         if program.guard_check(*args):
             return program
-    return next(files(fn, args, options))  # never reached: the files run out of existing ones first
+    return file
 
 
 def compile_and_save(fn: Callable[..., object], args: tuple[object, ...], options: dict[str, object],
