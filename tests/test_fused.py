@@ -7,11 +7,13 @@ in conftest): in the one launch here two ranks warm half the passes each (compil
 where it lacks them: on a fresh machine, or after a pass or what it reads changed) and every rank
 then loads them all from it."""
 
+import contextlib
 import dataclasses
 import math
 import os
 import shutil
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -158,30 +160,45 @@ def _past_the_recompile_limit() -> dict:
             "broken": specialising.broken, "full": specialising.full, "programs": _programs(specialising)}
 
 
+@contextlib.contextmanager
+def _own_store(directory: str) -> Iterator[None]:
+    """Keep programs in ``directory`` inside the block, not in the machine's store."""
+    before, os.environ[store.DIRECTORY] = os.environ.get(store.DIRECTORY), directory
+    try:
+        yield
+    finally:
+        os.environ.pop(store.DIRECTORY)
+        if before is not None:
+            os.environ[store.DIRECTORY] = before
+
+
 def _store_keeps_programs_apart(directory: str) -> dict:
     """In a store of its own: how a pass object fares (programs compiled, loaded; outputs) where a
     torn file lies where its program belongs, then in a fresh object (as a new process), then for
-    an int its program's guards reject (``bit_length`` specialises it), then again fresh."""
-    before, os.environ[store.DIRECTORY] = os.environ.get(store.DIRECTORY), directory
+    an int its program's guards reject (``bit_length`` specialises it), then again fresh; and in
+    a store that cannot be written (under a file), the warnings and the output."""
     x, out = torch.arange(3.0), {}
-    try:
+
+    def call(f: fused.Fused, *ints: int) -> tuple[int, int, bool]:
+        right = [torch.equal(f(x, n), x + n.bit_length()) for n in ints]
+        return f.compiled, f.loaded, all(right)
+
+    with _own_store(directory):
         fused.Fused(_specialising)(x, 1)
         (torn,) = list(store.directory().glob("*/*.aot"))
         torn.write_bytes(b"torn")
-        def call(f: fused.Fused, *ints: int) -> tuple[int, int, bool]:
-            right = [torch.equal(f(x, n), x + n.bit_length()) for n in ints]
-            return f.compiled, f.loaded, all(right)
-
         out["over torn"] = call(fused.Fused(_specialising), 1)
         out["fresh"] = call(fused.Fused(_specialising), 1)
         out["other int"] = call(again := fused.Fused(_specialising), 1, 2)
         out["fresh, both"] = call(fused.Fused(_specialising), 1, 2)
         out["other int, again"] = call(again, 2, 1)
         out["files"] = sorted(p.name.rsplit("-", 1)[1] for p in store.directory().glob("*/*.aot"))
-    finally:
-        os.environ.pop(store.DIRECTORY)
-        if before is not None:
-            os.environ[store.DIRECTORY] = before
+    blocker = os.path.join(directory, "a file")
+    open(blocker, "w").close()
+    with _own_store(os.path.join(blocker, "store")), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["unwritable"] = call(fused.Fused(_specialising), 1)
+    out["unwritable warnings"] = [str(w.message) for w in caught if w.category is RuntimeWarning]
     return out
 
 
@@ -200,9 +217,10 @@ def _ranks_job(world: int, directory: str) -> dict:
         for F, R in SHAPES:
             out["passes"] |= _check_passes(F, R, share)
         if comm.rank() == COMPILERS:  # ranks that wait for the compilers meanwhile
-            out["limit"] = _past_the_recompile_limit()
+            with _own_store(os.path.join(directory, "limit")):
+                out["limit"] = _past_the_recompile_limit()
         if comm.rank() == COMPILERS + 1:
-            out["store"] = _store_keeps_programs_apart(directory)
+            out["store"] = _store_keeps_programs_apart(os.path.join(directory, "own"))
         dist.barrier()
         out["passes"] |= _check_passes(2, 5, slice(None))  # every pass, loaded from the store
         for n in range(1, world + 1):
@@ -294,6 +312,13 @@ def test_the_store_replaces_a_torn_file_and_keeps_one_program_per_guarded_int(ra
     assert got["other int"] == (1, 1, True) and got["fresh, both"] == (0, 2, True), got
     assert got["other int, again"] == (1, 1, True), got  # its programs stay in the object
     assert got["files"] == ["0.aot", "1.aot"], got
+
+
+def test_a_store_that_cannot_be_written_warns_once_and_the_pass_still_runs_compiled(ranks):
+    got = ranks[COMPILERS + 1]["store"]
+    assert got["unwritable"] == (1, 0, True), got
+    (warning,) = got["unwritable warnings"]
+    assert "cannot keep compiled passes in" in warning and "VOCABPAR_PASS_STORE" in warning, warning
 
 
 def test_histogram_bins_fit_int32_only_where_no_bin_can_overflow():

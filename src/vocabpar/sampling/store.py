@@ -57,7 +57,8 @@ def convention(args: tuple[object, ...]) -> str:
 def _local_guards(entries: list) -> list[bool]:
     """Dynamo's guards to keep in a saved program: those on its arguments (tensor metadata, the
     sizes and ints its code assumes, the constants it was traced with) and on global state; not
-    those on module globals, which the source digest stands for."""
+    those on module globals, which the source digest stands for, nor class matches (torch cannot
+    save them; the convention's types stand for them)."""
     kept = ("GLOBAL_STATE", "SHAPE_ENV")
     return [(not g.is_global and g.guard_type != "CLASS_MATCH") or g.guard_type in kept for g in entries]
 
