@@ -34,6 +34,8 @@ def same_bits(a, b):
 
 
 def _exactness_sweep():
+    """Each exchange's bits against the full table over shapes, schemes and dtypes; the agreement
+    check is off (test_agreement covers it), so every collective here is the exchange itself."""
     n = comm.world_size()
     failures, modes = [], set()
     for (vocab, org, dim), scheme, dtype in itertools.product(SHAPES, ("padded", "uneven", "replicated"),
@@ -43,7 +45,7 @@ def _exactness_sweep():
         g = torch.Generator().manual_seed(vocab + n)
         for exchange, shape in (("all_reduce", (3, 17)), ("owner_gather", (40,)), ("auto", (2, 3, 5)),
                                 ("auto", (0,))):
-            emb = VocabParallelEmbedding(layout, dim, dtype=dtype, exchange=exchange)
+            emb = VocabParallelEmbedding(layout, dim, dtype=dtype, exchange=exchange, check=False)
             emb.load_full_weight(table)
             ids = torch.randint(0, vocab, shape, generator=g)
             got = emb(ids)

@@ -30,6 +30,8 @@ def _tensors(vocab, hidden_size, dtype, seed=0):
 
 
 def _collect_sweep(deterministic):
+    """Every strategy's logits against the reference over shapes, schemes, dtypes and tying; the
+    agreement check is off (test_agreement covers it), so every collective is the collection's."""
     n, me = comm.world_size(), comm.rank()
     failures = []
     for (vocab, org, hs), scheme, dtype, tied in itertools.product(
@@ -52,7 +54,7 @@ def _collect_sweep(deterministic):
             rows = dp_rows if dp else block if strategy == "all_to_all" else None
             h = hidden[dp_rows] if dp else hidden
             got = compute_logits(head, h, strategy="dp_gather_scatter" if dp else strategy,
-                                 chunk_rows=chunk_rows, dst=n - 1,
+                                 chunk_rows=chunk_rows, dst=n - 1, check=False,
                                  scatter="all_gather" if strategy == "dp_sglang" else "all_to_all")
             want = ref if rows is None else ref[rows]
             if strategy == "gather" and me != n - 1:
