@@ -5,7 +5,10 @@ ranks (B=256, V=129280, FP32; the configurations and logits of ``bench_sampling.
 Run: ``.venv/bin/python benchmarks/bench_passes.py``. Per configuration and sampler (the functional
 ``sample()`` and the engine ``Sampler``), after two warm-up calls, one call with every pass timed
 (wall ms on the slowest rank, 2 ranks per core) beside the floor (one row-max pass plus an
-all-gather of 16 bytes per row); ``coll``: collectives per call, ``bytes``: bytes received per
+all-gather of 16 bytes per row); the rest split into ``wire`` (inside vocabpar's collectives,
+waits for slower peers included), ``select`` (``Tensor.topk`` and ``Tensor.sort`` outside the
+passes: round one's candidates, merges of gathered candidates) and ``glue`` (everything else:
+eager small ops, Python); ``coll``: collectives per call, ``bytes``: bytes received per
 call, ``reads``: host reads of device values per call (busiest rank; counted in a further,
 untimed call). Then, side by side, the
 functional call with the threshold search's rounds always on the listed bucket and as shipped,
@@ -15,8 +18,10 @@ and with every top-p row searched and as shipped (top-p rows drawn from their po
 from __future__ import annotations
 
 import collections
+import contextlib
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -59,18 +64,43 @@ ALTERNATIVES = {
 shipped, then to the shipped one."""
 
 
+COLLECTIVES = ("all_reduce", "all_reduce_max", "all_gather", "gather", "broadcast", "all_to_all")
+"""The functions of ``vocabpar.comm`` that issue a collective (the others call these)."""
+SELECTIONS = ("topk", "sort")
+
+
+@contextlib.contextmanager
+def _timing(spent: collections.Counter) -> Iterator[None]:
+    """Inside the block, ``spent`` adds up the seconds in each fused pass (by name), in the
+    collectives (``wire``) and in selections (``select``)."""
+    originals = {(fused.Fused, "__call__"): fused.Fused.__call__}
+    originals |= {(comm, name): getattr(comm, name) for name in COLLECTIVES}
+    originals |= {(torch.Tensor, name): getattr(torch.Tensor, name) for name in SELECTIONS}
+
+    def timed(fn, label):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            spent[label(args)] += time.perf_counter() - start
+            return out
+        return wrapper
+
+    for (owner, name), fn in originals.items():
+        label = ((lambda args: args[0].__name__) if owner is fused.Fused
+                 else (lambda args: "wire") if owner is comm else (lambda args: "select"))
+        setattr(owner, name, timed(fn, label))
+    try:
+        yield
+    finally:
+        for (owner, name), fn in originals.items():
+            setattr(owner, name, fn)
+
+
 def _job(names: tuple[str, ...]) -> dict:
     layout = VocabLayout(bs.V, bs.N)
     pos = torch.arange(bs.B)
     sampler = Sampler(layout, max_rows=bs.B)
     spent: collections.Counter = collections.Counter()
-    call = fused.Fused.__call__
-
-    def timed(self, *args):
-        start = time.perf_counter()
-        out = call(self, *args)
-        spent[self.__name__] += time.perf_counter() - start
-        return out
 
     out = {}
     for name in names:
@@ -83,13 +113,12 @@ def _job(names: tuple[str, ...]) -> dict:
         for which, fn in paths:
             fn()
             fn()
-            fused.Fused.__call__ = timed
             spent.clear()
             torch.distributed.barrier()
-            start = time.perf_counter()
-            fn()
-            total = time.perf_counter() - start
-            fused.Fused.__call__ = call
+            with _timing(spent):
+                start = time.perf_counter()
+                fn()
+                total = time.perf_counter() - start
             start = time.perf_counter()
             bs._floor(local)
             floor = time.perf_counter() - start
@@ -107,11 +136,13 @@ def main() -> None:
     for key in [k for k in per_rank[0] if k[1] not in ALTERNATIVES]:
         total, spent, floor, calls, *_ = max(per_rank, key=lambda r: r[key][0])[key]
         reads, received = (max(r[key][i] for r in per_rank) for i in (4, 5))
+        wire, select = spent.pop("wire", 0.0), spent.pop("select", 0.0)
         passes = sum(spent.values())
+        glue = total - passes - wire - select
         top = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in sorted(spent.items(), key=lambda kv: -kv[1]))
         print(f"{key[0]:<24}{key[1]:<7} coll {calls} bytes {received:>10,} reads {reads:>3}  "
-              f"total {total * 1e3:6.0f}  "
-              f"passes {passes * 1e3:5.0f}  rest {(total - passes) * 1e3:5.0f}  "
+              f"total {total * 1e3:6.0f}  passes {passes * 1e3:5.0f}  rest {(total - passes) * 1e3:5.0f} "
+              f"(wire {wire * 1e3:4.0f} select {select * 1e3:4.0f} glue {glue * 1e3:4.0f})  "
               f"floor {floor * 1e3:5.1f} | {top}")
     for alternative, (*_, other, shipped, what) in ALTERNATIVES.items():
         print(f"functional sample(), {what}; one call each, slowest rank; ms")

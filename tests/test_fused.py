@@ -218,7 +218,9 @@ def _ranks_job(world: int, directory: str) -> dict:
         for F, R in SHAPES:
             out["passes"] |= _check_passes(F, R, share)
         if comm.rank() == COMPILERS:  # ranks that wait for the compilers meanwhile
-            with _own_store(os.path.join(directory, "limit")):
+            # its programs kept apart from the passes', but from one run to the next: loaded
+            # after the first run, they count against the limit as compiled ones do
+            with _own_store(str(store.directory() / "test_fused limit")):
                 out["limit"] = _past_the_recompile_limit()
         if comm.rank() == COMPILERS + 1:
             out["store"] = _store_keeps_programs_apart(os.path.join(directory, "own"))
@@ -240,9 +242,10 @@ def ranks(tmp_path_factory) -> list[dict]:
     if shutil.which(os.environ.get("CXX", "g++")) is None:
         pytest.skip("no C++ compiler for Inductor: the passes run eager (the rest of the suite checks them)")
     directory = str(tmp_path_factory.mktemp("store"))
-    # Dynamo and Inductor (2.5 s of imports per process), once in the forkserver instead of in each
-    # rank: conftest starts this file first on its worker, before the worker's first launch
-    launch.preload("torch._dynamo", "torch._inductor.compile_fx")
+    # Inductor's compiler (1.5 s of imports per process beside Dynamo's, which conftest preloads),
+    # once in the forkserver instead of in each rank: conftest starts this file first on its
+    # worker, before the worker's first launch
+    launch.preload("torch._inductor.compile_fx")
     return run(_ranks_job, 4, 4, directory, timeout=600, run_timeout=1200, threads_per_rank=1)
 
 

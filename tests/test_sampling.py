@@ -286,7 +286,7 @@ def _reference(case):
     )
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3, 4])
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.once) for n in (1, 2)] + [3, 4])
 def sharded(request):
     """One launch per world size runs every case; each case is then its own named test."""
     return request.param, run(_sample_all, request.param, CASES)

@@ -103,7 +103,7 @@ def _verify_all(cases):
     return out
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3, 4])
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.once) for n in (1, 2)] + [3, 4])
 def sharded(request):
     return request.param, run(_verify_all, request.param, CASES, timeout=60)
 
