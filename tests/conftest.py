@@ -18,11 +18,10 @@ def pytest_collection_finish(session) -> None:
     """What every rank of a local launch would import on its own, the forkserver imports once,
     before it forks the first rank (launches come after collection). A rank unpickles its job
     from a test module, which imports pytest (0.1 s of CPU; ~200 ranks in the suite) and often
-    the demo; a ``TorchDispatchMode`` (tests/host_probe.py counts launches with one) imports
-    Dynamo (1 s) when it first dispatches; transformers' model code takes seconds per process,
-    and only test files that import transformers (the demo's Hugging Face models) need it.
-    (hypothesis, 1.3 s, is imported only by a file that starts no ranks.)"""
-    launch.preload("pytest", "vocabpar.demo", "vocabpar.integrations.hf", "torch._dynamo")
+    the demo; transformers' model code takes seconds per process, and only test files that import
+    transformers (the demo's Hugging Face models) need it. (hypothesis, 1.3 s, is imported only by
+    a file that starts no ranks.)"""
+    launch.preload("pytest", "vocabpar.demo", "vocabpar.integrations.hf")
     if "transformers" in sys.modules:
         launch.preload("transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
                        "transformers.models.qwen2.modeling_qwen2")

@@ -35,6 +35,12 @@ copy behind a host read, counted as a read)."""
 class Launches(TorchDispatchMode):
     """Counts launching ATen operations by name."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch otherwise wraps __torch_dispatch__ in a Dynamo-disabling frame per operation (and
+        # imports Dynamo for it, 1 s per rank); nothing runs compiled under this mode
+        return False
+
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter = Counter()

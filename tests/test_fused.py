@@ -242,10 +242,9 @@ def ranks(tmp_path_factory) -> list[dict]:
     if shutil.which(os.environ.get("CXX", "g++")) is None:
         pytest.skip("no C++ compiler for Inductor: the passes run eager (the rest of the suite checks them)")
     directory = str(tmp_path_factory.mktemp("store"))
-    # Inductor's compiler (1.5 s of imports per process beside Dynamo's, which conftest preloads),
-    # once in the forkserver instead of in each rank: conftest starts this file first on its
-    # worker, before the worker's first launch
-    launch.preload("torch._inductor.compile_fx")
+    # Dynamo and Inductor (2.5 s of imports per process), once in the forkserver instead of in each
+    # rank: conftest starts this file first on its worker, before the worker's first launch
+    launch.preload("torch._dynamo", "torch._inductor.compile_fx")
     return run(_ranks_job, 4, 4, directory, timeout=600, run_timeout=1200, threads_per_rank=1)
 
 
