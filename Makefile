@@ -39,7 +39,7 @@ SECOND_RUN := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=AVX2 $(BIN)/py
 	-p no:cacheprovider -m "exact and not once" -q $(EXACT_FILES)
 test: install
 	$(BIN)/ruff check src tests benchmarks scripts examples
-	@log=$$(mktemp); echo "$(SECOND_RUN) (beside the run below; its report follows it)"; \
+	@log=$$(mktemp); echo '$(SECOND_RUN)  # beside the run below, its report after it'; \
 	$(SECOND_RUN) > $$log 2>&1 & second=$$!; \
 	echo "$(PYTEST)"; $(PYTEST); first=$$?; wait $$second; again=$$?; \
 	cat $$log; rm -f $$log; test $$first -eq 0 -a $$again -eq 0
