@@ -10,7 +10,10 @@ waits for slower peers included), ``select`` (``Tensor.topk`` and ``Tensor.sort`
 passes: round one's candidates, merges of gathered candidates) and ``glue`` (everything else:
 eager small ops, Python); ``coll``: collectives per call, ``bytes``: bytes received per
 call, ``reads``: host reads of device values per call (busiest rank; counted in a further,
-untimed call). Then, side by side, the
+untimed call). Then round one's selection against the fusable alternative built from the
+library's own compiled passes: ``Tensor.topk`` of the candidates beside the three digit
+``histogram`` rounds and the ``members`` pass an exact radix select needs at least (its
+compaction of the flags into columns not counted). Then, side by side, the
 functional call with the threshold search's rounds always on the listed bucket and as shipped,
 and with every top-p row searched and as shipped (top-p rows drawn from their pool first).
 """
@@ -29,6 +32,7 @@ import torch
 from vocabpar import SamplingParams, VocabLayout, comm, sample
 from vocabpar.launch import run
 from vocabpar.sampling import Sampler, fused, search, sharded
+from vocabpar.wire.scripts import candidate_count
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_sampling as bs  # noqa: E402
@@ -96,6 +100,29 @@ def _timing(spent: collections.Counter) -> Iterator[None]:
             setattr(owner, name, fn)
 
 
+def _select(local: torch.Tensor, real: torch.Tensor, c: int) -> tuple[float, float]:
+    """Seconds of round one's ``topk`` of ``c`` candidates per row of ``local``, and of the passes
+    an exact radix select of them would run instead: a ``histogram`` of each digit of the order
+    keys (11 + 11 + 10 bits, each in the bucket the previous one picked), then ``members`` to flag
+    the tokens at or above the c-th key; each after a warm-up call."""
+    rows = local.shape[0]
+
+    def radix():
+        prefix = torch.zeros(rows, dtype=torch.long)
+        for shift, bits in ((32, 11), (21, 11), (10, 10)):
+            fused.histogram(local, real, None, torch.full((rows,), shift), torch.full((rows,), bits), prefix,
+                            2**11, True)
+        fused.members(local, real, None, prefix, torch.full((rows,), 2**32))
+
+    spent = []
+    for fn in (lambda: local.topk(c, 1), radix):
+        fn()
+        start = time.perf_counter()
+        fn()
+        spent.append(time.perf_counter() - start)
+    return spent[0], spent[1]
+
+
 def _job(names: tuple[str, ...]) -> dict:
     layout = VocabLayout(bs.V, bs.N)
     pos = torch.arange(bs.B)
@@ -127,13 +154,16 @@ def _job(names: tuple[str, ...]) -> dict:
             out[name, which] = (total, dict(spent), floor, len(sent), reads, sum(b for _, b in sent))
         for alternative, (module, constant, values, *_) in ALTERNATIVES.items():
             out[name, alternative] = _side_by_side(paths[0][1], module, constant, values)
+    real = layout.local_token_ids(comm.rank()) >= 0
+    c = candidate_count(bs.N, int(real.sum()), top_k=0, top_p=True, min_p=False)
+    out["select"] = (c, *_select(bs._logits("peaked", layout), real, c))
     return out
 
 
 def main() -> None:
     per_rank = run(_job, bs.N, NAMES, run_timeout=1800, timeout=300)
     print(f"B={bs.B} V={bs.V} ranks={bs.N} gloo, FP32; one call, slowest rank; ms")
-    for key in [k for k in per_rank[0] if k[1] not in ALTERNATIVES]:
+    for key in [k for k in per_rank[0] if k != "select" and k[1] not in ALTERNATIVES]:
         total, spent, floor, calls, *_ = max(per_rank, key=lambda r: r[key][0])[key]
         reads, received = (max(r[key][i] for r in per_rank) for i in (4, 5))
         wire, select = spent.pop("wire", 0.0), spent.pop("select", 0.0)
@@ -144,6 +174,11 @@ def main() -> None:
               f"total {total * 1e3:6.0f}  passes {passes * 1e3:5.0f}  rest {(total - passes) * 1e3:5.0f} "
               f"(wire {wire * 1e3:4.0f} select {select * 1e3:4.0f} glue {glue * 1e3:4.0f})  "
               f"floor {floor * 1e3:5.1f} | {top}")
+    c = per_rank[0]["select"][0]
+    topk, radix = (max(r["select"][i] for r in per_rank) for i in (1, 2))
+    print(f"round one's selection of c={c} candidates per row of the shard (peaked rows; no collectives), "
+          f"slowest rank; ms\ntopk {topk * 1e3:6.1f}  radix select's passes "
+          f"(3 histogram rounds + members, compiled) {radix * 1e3:6.1f}  ({radix / topk:.2f}x)")
     for alternative, (*_, other, shipped, what) in ALTERNATIVES.items():
         print(f"functional sample(), {what}; one call each, slowest rank; ms")
         for name in NAMES:
