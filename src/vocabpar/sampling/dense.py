@@ -21,19 +21,18 @@ from vocabpar.wire.scripts import ENGINE_SEARCH_BITS
 
 def top(x: torch.Tensor, ids: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This shard's ``c`` largest values (float64 ``[B, c]``, descending, -inf padded), their ids
-    (-1 padded), and how many of its tokens equal the ``c``-th value (``[B]``: the tied group the
-    cut may have split). ``x``: ``[B, R]``; ``ids``: ``[R]``."""
+    (-1 padded), and the value the cut may split a tied group at (``[B]``: the ``c``-th value
+    when the shard holds ``c`` tokens, else NaN, which ties nothing). ``x``: ``[B, R]``;
+    ``ids``: ``[R]``."""
     B, R = x.shape
     m = min(c, R)
     vals = torch.full((B, c), NEG_INF, dtype=torch.float64, device=x.device)
     cand_id = torch.full((B, c), -1, dtype=torch.long, device=x.device)
-    ties = torch.zeros(B, dtype=torch.long, device=x.device)
     if m:
         best = x.topk(m, 1)
         vals[:, :m], cand_id[:, :m] = best.values.double(), ids[best.indices]
-        if m == c:
-            ties = ((x == best.values[:, -1:]) & (ids >= 0)).sum(1)
-    return vals, cand_id, ties
+    cut = vals[:, c - 1] if m == c > 0 else vals.new_full((B,), float("nan"))
+    return vals, cand_id, cut
 
 
 def threshold(local_histogram: Callable[[int, int, torch.Tensor, int], torch.Tensor], B: int,
