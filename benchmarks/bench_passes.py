@@ -2,19 +2,22 @@
 against the rest (eager glue: candidates, gathers of listed tokens, small ops), on 4 local gloo
 ranks (B=256, V=129280, FP32; the configurations and logits of ``bench_sampling.py``).
 
-Run: ``.venv/bin/python benchmarks/bench_passes.py``. Per configuration and sampler (the functional
-``sample()`` and the engine ``Sampler``), after two warm-up calls, one call with every pass timed
-(wall ms on the slowest rank, 2 ranks per core) beside the floor (one row-max pass plus an
-all-gather of 16 bytes per row); the rest split into ``wire`` (inside vocabpar's collectives,
+Run: ``.venv/bin/python benchmarks/bench_passes.py``. Per configuration and sampler (the
+functional ``sample()`` and the engine ``Sampler``), after two warm-up calls, one call with every
+pass timed (wall ms on the slowest rank, 2 ranks per core) beside the floor (one row-max pass plus
+an all-gather of 16 bytes per row); the rest split into ``wire`` (inside vocabpar's collectives,
 waits for slower peers included), ``select`` (``Tensor.topk`` and ``Tensor.sort`` outside the
-passes: round one's candidates, merges of gathered candidates) and ``glue`` (everything else:
-eager small ops, Python); ``coll``: collectives per call, ``bytes``: bytes received per
-call, ``reads``: host reads of device values per call (busiest rank; counted in a further,
-untimed call). Then round one's selection against the fusable alternative built from the
-library's own compiled passes: ``Tensor.topk`` of the candidates beside the three digit
-``histogram`` rounds and the ``members`` pass an exact radix select needs at least (its
-compaction of the flags into columns not counted). Then, side by side, the
-functional call with the threshold search's rounds always on the listed bucket and as shipped,
+passes: round one's candidates, merges of gathered candidates), ``compact`` (``Tensor.nonzero``: a
+pass's flags turned into the rows and columns of the tokens it flagged), ``max`` (``Tensor.max``:
+round one's row max of the shard, the floor's own pass, and maxima of gathered values) and
+``glue`` (everything else: eager small ops, gathers of listed tokens, Python); ``coll``:
+collectives per call, ``bytes``: bytes received per call, ``reads``: host reads of device values
+per call (busiest rank; counted in a further, untimed call). Then round one's selection against
+the fusable alternative built from the library's own compiled passes: ``Tensor.topk`` of the
+candidates beside the three digit ``histogram`` rounds and the ``members`` pass an exact radix
+select needs at least (its compaction of the flags into columns not counted), and the engine's
+round-one facts as one compiled pass beside the same operations eager. Then, side by side,
+the functional call with the threshold search's rounds always on the listed bucket and as shipped,
 and with every top-p row searched and as shipped (top-p rows drawn from their pool first).
 """
 
@@ -70,16 +73,18 @@ shipped, then to the shipped one."""
 
 COLLECTIVES = ("all_reduce", "all_reduce_max", "all_gather", "gather", "broadcast", "all_to_all")
 """The functions of ``vocabpar.comm`` that issue a collective (the others call these)."""
-SELECTIONS = ("topk", "sort")
+TENSOR_PARTS = {"topk": "select", "sort": "select", "nonzero": "compact", "max": "max"}
+"""The ``Tensor`` methods timed outside the passes, and the part each one's time counts in."""
+PARTS = ("wire", "select", "compact", "max")
 
 
 @contextlib.contextmanager
 def _timing(spent: collections.Counter) -> Iterator[None]:
     """Inside the block, ``spent`` adds up the seconds in each fused pass (by name), in the
-    collectives (``wire``) and in selections (``select``)."""
+    collectives (``wire``) and in the :data:`TENSOR_PARTS` methods (by part)."""
     originals = {(fused.Fused, "__call__"): fused.Fused.__call__}
     originals |= {(comm, name): getattr(comm, name) for name in COLLECTIVES}
-    originals |= {(torch.Tensor, name): getattr(torch.Tensor, name) for name in SELECTIONS}
+    originals |= {(torch.Tensor, name): getattr(torch.Tensor, name) for name in TENSOR_PARTS}
 
     def timed(fn, label):
         def wrapper(*args, **kwargs):
@@ -90,8 +95,8 @@ def _timing(spent: collections.Counter) -> Iterator[None]:
         return wrapper
 
     for (owner, name), fn in originals.items():
-        label = ((lambda args: args[0].__name__) if owner is fused.Fused
-                 else (lambda args: "wire") if owner is comm else (lambda args: "select"))
+        part = "wire" if owner is comm else TENSOR_PARTS.get(name)
+        label = (lambda args: args[0].__name__) if owner is fused.Fused else (lambda args, part=part: part)
         setattr(owner, name, timed(fn, label))
     try:
         yield
@@ -120,6 +125,21 @@ def _select(local: torch.Tensor, real: torch.Tensor, c: int) -> tuple[float, flo
         start = time.perf_counter()
         fn()
         spent.append(time.perf_counter() - start)
+    return spent[0], spent[1]
+
+
+def _facts(local: torch.Tensor, ids: torch.Tensor, c: int) -> tuple[float, float]:
+    """Seconds of the engine's round-one facts (``fused.round_one_facts``: the row max with its
+    lowest id, the NaN check, the ties at the c-th candidate) compiled, and eager (the same
+    operations one by one); each after a warm-up call."""
+    cut = local.topk(c, 1).values[:, -1].double()
+    spent = []
+    for compiled in (True, False):
+        with fused.compiling(compiled):
+            fused.round_one_facts(local, local, ids, cut)
+            start = time.perf_counter()
+            fused.round_one_facts(local, local, ids, cut)
+            spent.append(time.perf_counter() - start)
     return spent[0], spent[1]
 
 
@@ -156,29 +176,36 @@ def _job(names: tuple[str, ...]) -> dict:
             out[name, alternative] = _side_by_side(paths[0][1], module, constant, values)
     real = layout.local_token_ids(comm.rank()) >= 0
     c = candidate_count(bs.N, int(real.sum()), top_k=0, top_p=True, min_p=False)
-    out["select"] = (c, *_select(bs._logits("peaked", layout), real, c))
+    peaked = bs._logits("peaked", layout)
+    out["select"] = (c, *_select(peaked, real, c))
+    out["facts"] = _facts(peaked, layout.local_token_ids(comm.rank()), c)
     return out
 
 
 def main() -> None:
     per_rank = run(_job, bs.N, NAMES, run_timeout=1800, timeout=300)
     print(f"B={bs.B} V={bs.V} ranks={bs.N} gloo, FP32; one call, slowest rank; ms")
-    for key in [k for k in per_rank[0] if k != "select" and k[1] not in ALTERNATIVES]:
+    for key in [k for k in per_rank[0] if k not in ("select", "facts") and k[1] not in ALTERNATIVES]:
         total, spent, floor, calls, *_ = max(per_rank, key=lambda r: r[key][0])[key]
         reads, received = (max(r[key][i] for r in per_rank) for i in (4, 5))
-        wire, select = spent.pop("wire", 0.0), spent.pop("select", 0.0)
+        parts = {part: spent.pop(part, 0.0) for part in PARTS}
         passes = sum(spent.values())
-        glue = total - passes - wire - select
+        glue = total - passes - sum(parts.values())
         top = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in sorted(spent.items(), key=lambda kv: -kv[1]))
+        rest = " ".join(f"{part} {seconds * 1e3:4.0f}" for part, seconds in parts.items())
         print(f"{key[0]:<24}{key[1]:<7} coll {calls} bytes {received:>10,} reads {reads:>3}  "
               f"total {total * 1e3:6.0f}  passes {passes * 1e3:5.0f}  rest {(total - passes) * 1e3:5.0f} "
-              f"(wire {wire * 1e3:4.0f} select {select * 1e3:4.0f} glue {glue * 1e3:4.0f})  "
+              f"({rest} glue {glue * 1e3:4.0f})  "
               f"floor {floor * 1e3:5.1f} | {top}")
     c = per_rank[0]["select"][0]
     topk, radix = (max(r["select"][i] for r in per_rank) for i in (1, 2))
     print(f"round one's selection of c={c} candidates per row of the shard (peaked rows; no collectives), "
           f"slowest rank; ms\ntopk {topk * 1e3:6.1f}  radix select's passes "
           f"(3 histogram rounds + members, compiled) {radix * 1e3:6.1f}  ({radix / topk:.2f}x)")
+    compiled, eager = (max(r["facts"][i] for r in per_rank) for i in (0, 1))
+    print(f"the engine's round-one facts of the shard (row max and its id, NaN check, ties at the c-th "
+          f"candidate), slowest rank; ms\none pass compiled {compiled * 1e3:6.1f}  the same ops eager "
+          f"{eager * 1e3:6.1f}  ({eager / compiled:.2f}x)")
     for alternative, (*_, other, shipped, what) in ALTERNATIVES.items():
         print(f"functional sample(), {what}; one call each, slowest rank; ms")
         for name in NAMES:
