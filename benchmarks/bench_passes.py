@@ -16,7 +16,7 @@ per call (busiest rank; counted in a further, untimed call). Then round one's se
 the fusable alternative built from the library's own compiled passes: ``Tensor.topk`` of the
 candidates beside the three digit ``histogram`` rounds and the ``members`` pass an exact radix
 select needs at least (its compaction of the flags into columns not counted), and the engine's
-round-one facts as one compiled pass beside the same operations eager. Then, side by side,
+round-one checks as one compiled pass beside the same operations eager. Then, side by side,
 the functional call with the threshold search's rounds always on the listed bucket and as shipped,
 and with every top-p row searched and as shipped (top-p rows drawn from their pool first).
 """
@@ -128,17 +128,17 @@ def _select(local: torch.Tensor, real: torch.Tensor, c: int) -> tuple[float, flo
     return spent[0], spent[1]
 
 
-def _facts(local: torch.Tensor, ids: torch.Tensor, c: int) -> tuple[float, float]:
-    """Seconds of the engine's round-one facts (``fused.round_one_facts``: the row max with its
-    lowest id, the NaN check, the ties at the c-th candidate) compiled, and eager (the same
-    operations one by one); each after a warm-up call."""
+def _checks(local: torch.Tensor, real: torch.Tensor, c: int) -> tuple[float, float]:
+    """Seconds of the engine's round-one checks (``fused.nan_and_ties``: the NaN check and the
+    ties at the c-th candidate) compiled, and eager (the same operations one by one); each after a
+    warm-up call."""
     cut = local.topk(c, 1).values[:, -1].double()
     spent = []
     for compiled in (True, False):
         with fused.compiling(compiled):
-            fused.round_one_facts(local, local, ids, cut)
+            fused.nan_and_ties(local, local, real, cut)
             start = time.perf_counter()
-            fused.round_one_facts(local, local, ids, cut)
+            fused.nan_and_ties(local, local, real, cut)
             spent.append(time.perf_counter() - start)
     return spent[0], spent[1]
 
@@ -178,14 +178,14 @@ def _job(names: tuple[str, ...]) -> dict:
     c = candidate_count(bs.N, int(real.sum()), top_k=0, top_p=True, min_p=False)
     peaked = bs._logits("peaked", layout)
     out["select"] = (c, *_select(peaked, real, c))
-    out["facts"] = _facts(peaked, layout.local_token_ids(comm.rank()), c)
+    out["checks"] = _checks(peaked, real, c)
     return out
 
 
 def main() -> None:
     per_rank = run(_job, bs.N, NAMES, run_timeout=1800, timeout=300)
     print(f"B={bs.B} V={bs.V} ranks={bs.N} gloo, FP32; one call, slowest rank; ms")
-    for key in [k for k in per_rank[0] if k not in ("select", "facts") and k[1] not in ALTERNATIVES]:
+    for key in [k for k in per_rank[0] if k not in ("select", "checks") and k[1] not in ALTERNATIVES]:
         total, spent, floor, calls, *_ = max(per_rank, key=lambda r: r[key][0])[key]
         reads, received = (max(r[key][i] for r in per_rank) for i in (4, 5))
         parts = {part: spent.pop(part, 0.0) for part in PARTS}
@@ -202,10 +202,10 @@ def main() -> None:
     print(f"round one's selection of c={c} candidates per row of the shard (peaked rows; no collectives), "
           f"slowest rank; ms\ntopk {topk * 1e3:6.1f}  radix select's passes "
           f"(3 histogram rounds + members, compiled) {radix * 1e3:6.1f}  ({radix / topk:.2f}x)")
-    compiled, eager = (max(r["facts"][i] for r in per_rank) for i in (0, 1))
-    print(f"the engine's round-one facts of the shard (row max and its id, NaN check, ties at the c-th "
-          f"candidate), slowest rank; ms\none pass compiled {compiled * 1e3:6.1f}  the same ops eager "
-          f"{eager * 1e3:6.1f}  ({eager / compiled:.2f}x)")
+    compiled, eager = (max(r["checks"][i] for r in per_rank) for i in (0, 1))
+    print(f"the engine's round-one checks of the shard (NaN, ties at the c-th candidate), slowest rank; ms\n"
+          f"one pass compiled {compiled * 1e3:6.1f}  the same ops eager {eager * 1e3:6.1f}  "
+          f"({eager / compiled:.2f}x)")
     for alternative, (*_, other, shipped, what) in ALTERNATIVES.items():
         print(f"functional sample(), {what}; one call each, slowest rank; ms")
         for name in NAMES:

@@ -273,9 +273,9 @@ def test_each_pass_compiles_once_whatever_the_shapes(ranks):
     and parameters never recompile. Some passes have two calling conventions: ``best_kept`` and
     ``first_max`` take a shard (ids per column) or merged candidates (ids per entry), ``masses``
     a float32 shard or float64 candidates, ``logit_histogram`` unit weights or masses (a static
-    flag)."""
+    flag), ``nan_and_ties`` a cut or none (greedy rows)."""
     conventions = {"first_max": 2, "logit_histogram": 2, "best_kept": 2, "masses": 2, "histogram": 2,
-                   "members": 2}
+                   "members": 2, "nan_and_ties": 2}
     for rank in ranks:
         assert all(count <= conventions.get(name, 1) for name, count in rank["programs"].items()), \
             str(rank["programs"])

@@ -19,11 +19,11 @@ from vocabpar.wire.records import histogram
 from vocabpar.wire.scripts import ENGINE_SEARCH_BITS
 
 
-def top(x: torch.Tensor, ids: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def top(x: torch.Tensor, ids: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """This shard's ``c`` largest values (float64 ``[B, c]``, descending, -inf padded), their ids
-    (-1 padded), and the value the cut may split a tied group at (``[B]``: the ``c``-th value
-    when the shard holds ``c`` tokens, else NaN, which ties nothing). ``x``: ``[B, R]``;
-    ``ids``: ``[R]``."""
+    (-1 padded), and the value where the cut may split a tied group (``[B]``: the ``c``-th
+    value; None when the shard holds fewer than ``c`` tokens, or ``c`` is 0: nothing is cut).
+    ``x``: ``[B, R]``; ``ids``: ``[R]``."""
     B, R = x.shape
     m = min(c, R)
     vals = torch.full((B, c), NEG_INF, dtype=torch.float64, device=x.device)
@@ -31,8 +31,7 @@ def top(x: torch.Tensor, ids: torch.Tensor, c: int) -> tuple[torch.Tensor, torch
     if m:
         best = x.topk(m, 1)
         vals[:, :m], cand_id[:, :m] = best.values.double(), ids[best.indices]
-    cut = vals[:, c - 1] if m == c > 0 else vals.new_full((B,), float("nan"))
-    return vals, cand_id, cut
+    return vals, cand_id, vals[:, c - 1] if m == c > 0 else None
 
 
 def threshold(local_histogram: Callable[[int, int, torch.Tensor, int], torch.Tensor], B: int,

@@ -36,7 +36,7 @@ from vocabpar.layout import VocabLayout
 from vocabpar.sampling.dense import top
 from vocabpar.sampling.failures import Failures
 from vocabpar.sampling.fixed import Choice, DraftPairs, padded
-from vocabpar.sampling.fused import round_one_facts
+from vocabpar.sampling.fused import nan_and_ties
 from vocabpar.sampling.params import (
     ROW_FIELDS,
     Rows,
@@ -303,8 +303,14 @@ class Sampler:
         x = processed_logits(raw, ids, rows, penalty, bitmask, padded=self.padded)
         c = plan.candidates
         # 1. round one, with the check folded in
+        if x.shape[1]:
+            xmax, col = x.max(1)  # first maximum: storage order is id order
+            xmax_id = ids[col]
+        else:
+            xmax = torch.full((B,), NEG_INF, device=device)
+            xmax_id = torch.full((B,), -1, device=device)
         cand, cand_id, cut = top(x, ids, c)
-        xmax, xmax_id, has_nan, ties = round_one_facts(raw, x, ids, cut)
+        has_nan, ties = nan_and_ties(raw, x, real, cut)
         record = round_one(c, ties=True)
         local = padded(record.pack(max=torch.where(has_nan, float("nan"), xmax.double()), max_id=xmax_id,
                                     values=cand, ids=cand_id, ties=ties), M)

@@ -252,18 +252,16 @@ first_max = Fused(_first_max)
 
 
 @Fused
-def round_one_facts(raw: torch.Tensor, x: torch.Tensor, ids: torch.Tensor,
-                    cut: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What round one tells about this shard besides its candidates, in one read of it: per row,
-    the max of ``x`` and the lowest id reaching it (:func:`_first_max`; NaN, -1 for a row holding
-    NaN), whether ``raw`` holds a NaN on a real column, and how many real tokens of ``x`` equal
-    ``cut`` (the c-th candidate's value; NaN counts nothing). ``raw``, ``x``: float32 ``[F, R]``
-    (raw and processed logits); ``ids``: ``[R]``, -1 for padding; ``cut``: float64 ``[F]``."""
-    real = ids >= 0
-    best, first = _first_max(x, torch.where(real, ids, -1))
+def nan_and_ties(raw: torch.Tensor, x: torch.Tensor, real: torch.Tensor,
+                 cut: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What round one checks on this shard besides its max, in one read of it: per row, whether
+    ``raw`` holds a NaN on a real column, and how many real tokens of ``x`` equal ``cut`` (the
+    c-th candidate's value; None: nothing is cut, 0). ``raw``, ``x``: float32 ``[F, R]`` (raw and
+    processed logits); ``real``: bool ``[R]``; ``cut``: float64 ``[F]``."""
     has_nan = (raw.isnan() & real).any(1)
-    ties = ((x == cut[:, None]) & real).sum(1)
-    return best, first, has_nan, ties
+    if cut is None:
+        return has_nan, torch.zeros(has_nan.shape, dtype=torch.long, device=has_nan.device)
+    return has_nan, ((x == cut[:, None]) & real).sum(1)
 
 
 @Fused

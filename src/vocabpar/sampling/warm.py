@@ -52,6 +52,7 @@ def example_calls(rows: int = 5, columns: int = 300, seed: int = 0) -> dict[str,
     listed = [a.expand(F, R).flatten().clone() for a in (order, p, *per_token)]  # copies, as a search lists
     entry_ids = torch.where(x > -2, ids.expand(F, R), -1)  # merged candidates: ids per entry
     counts, weighed = fused.int32_sums(1, R), fused.int32_sums(mass_bits(VOCAB), R)
+    with_nan = torch.where(x > 2, float("nan"), x)  # raw logits holding NaN
     return {
         "masses": (fused.masses, (x, lower, t, min_z, z_max, scale)),
         "masses candidates": (fused.masses, (x.double(), lower, t, min_z, z_max, scale)),
@@ -67,8 +68,8 @@ def example_calls(rows: int = 5, columns: int = 300, seed: int = 0) -> dict[str,
         "accept_uniforms": (fused.accept_uniforms, (torch.arange(F)[:, None].expand(F, 3),
                                                     torch.arange(3 * F).view(F, 3))),
         "first_max": (fused.first_max, (x.double(), ids)),
-        "round_one_facts": (fused.round_one_facts, (torch.where(x > 2, float("nan"), x), x, ids,
-                                                    x[:, R // 2].double())),
+        "nan_and_ties": (fused.nan_and_ties, (with_nan, x, real, x[:, R // 2].double())),
+        "nan_and_ties uncut": (fused.nan_and_ties, (with_nan, x, real, None)),
         "histogram": (fused.histogram, (x, real, p, shift, eleven, first >> shift, 2048, weighed)),
         "histogram units": (fused.histogram, (x, real, None, shift, eleven, first >> shift, 2048, counts)),
         "members": (fused.members, (x, real, p, first - 2**20, first + 2**20)),
