@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vocabpar.sampling.fused import nan_and_ties
 from vocabpar.sampling.params import Rows
 from vocabpar.sampling.ranks import Ranks
 from vocabpar.sampling.semantics import NEG_INF, mass_shift
@@ -66,7 +67,8 @@ def gather_round_one(raw: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, c: i
         xmax_id = ids[col]
     else:
         xmax, xmax_id = torch.full((B,), NEG_INF), torch.full((B,), -1)
-    has_nan = xmax.isnan() if x is raw else torch.where(ids >= 0, raw, 0.0).isnan().any(1)
+    # the max holds a NaN of the shard unless processing (padding, penalties, a bitmask) replaced it
+    has_nan = xmax.isnan() if x is raw else nan_and_ties(raw, x, ids >= 0, None)[0]
     # one candidate is the max itself: no second pass over the shard
     cand, cand_id = (xmax.double()[:, None], xmax_id[:, None]) if c == 1 else shard_top(x, ids, c)
     record = round_one(c)
