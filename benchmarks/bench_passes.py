@@ -44,17 +44,25 @@ NAMES = ("top-p 0.9 (flat)", "top-p 0.9 (zipf)", "top-k 1000 (peaked)", "min-p 0
          "top-p 0.9 (peaked)", "t0.8 k50 p0.95 minp0.05")
 
 
+def _warm_then_time(fn) -> tuple[float, object]:
+    """Seconds of one call of ``fn`` after a warm-up call (a barrier between the two), and what
+    that call returned."""
+    fn()
+    torch.distributed.barrier()
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
 def _side_by_side(fn, module, name: str, values: tuple) -> tuple[float, float, bool]:
     """Seconds of one call of ``fn`` (a ``sample()``) with ``module.name`` set to each of two
     ``values``, each after a warm-up call; and whether both draw the same tokens."""
     shipped, seconds, tokens = getattr(module, name), [], []
     for value in values:
         setattr(module, name, value)
-        fn()
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        tokens.append(fn().tokens)
-        seconds.append(time.perf_counter() - start)
+        spent, out = _warm_then_time(fn)
+        seconds.append(spent)
+        tokens.append(out.tokens)
     setattr(module, name, shipped)
     return seconds[0], seconds[1], torch.equal(*tokens)
 
@@ -119,13 +127,7 @@ def _select(local: torch.Tensor, real: torch.Tensor, c: int) -> tuple[float, flo
                             2**11, True)
         fused.members(local, real, None, prefix, torch.full((rows,), 2**32))
 
-    spent = []
-    for fn in (lambda: local.topk(c, 1), radix):
-        fn()
-        start = time.perf_counter()
-        fn()
-        spent.append(time.perf_counter() - start)
-    return spent[0], spent[1]
+    return _warm_then_time(lambda: local.topk(c, 1))[0], _warm_then_time(radix)[0]
 
 
 def _checks(local: torch.Tensor, real: torch.Tensor, c: int) -> tuple[float, float]:
@@ -136,10 +138,7 @@ def _checks(local: torch.Tensor, real: torch.Tensor, c: int) -> tuple[float, flo
     spent = []
     for compiled in (True, False):
         with fused.compiling(compiled):
-            fused.nan_and_ties(local, local, real, cut)
-            start = time.perf_counter()
-            fused.nan_and_ties(local, local, real, cut)
-            spent.append(time.perf_counter() - start)
+            spent.append(_warm_then_time(lambda: fused.nan_and_ties(local, local, real, cut))[0])
     return spent[0], spent[1]
 
 
