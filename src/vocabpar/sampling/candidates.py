@@ -48,12 +48,12 @@ def shard_top(x: torch.Tensor, ids: torch.Tensor, c: int) -> tuple[torch.Tensor,
     value are broken arbitrarily: thresholds only need the values, and a padding column may
     stand in for a real -inf token. ``x``: ``[B, columns]``; ``ids``: ``[columns]``."""
     B, R = x.shape
-    vals = torch.full((B, c), NEG_INF, dtype=torch.float64)
-    cid = torch.full((B, c), -1, dtype=torch.long)
+    vals = torch.full((B, c), NEG_INF, dtype=torch.float64, device=x.device)
+    cid = torch.full((B, c), -1, dtype=torch.long, device=x.device)
     m = min(c, R)
     if m:
-        cols = x.topk(m, 1).indices
-        vals[:, :m], cid[:, :m] = x.gather(1, cols).double(), ids[cols]
+        best = x.topk(m, 1)
+        vals[:, :m], cid[:, :m] = best.values.double(), ids[best.indices]
     return vals, cid
 
 

@@ -14,24 +14,9 @@ from collections.abc import Callable
 import torch
 
 from vocabpar.sampling.ranks import Ranks
-from vocabpar.sampling.semantics import NEG_INF, threshold_digit
+from vocabpar.sampling.semantics import threshold_digit
 from vocabpar.wire.records import histogram
 from vocabpar.wire.scripts import ENGINE_SEARCH_BITS
-
-
-def top(x: torch.Tensor, ids: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """This shard's ``c`` largest values (float64 ``[B, c]``, descending, -inf padded), their ids
-    (-1 padded), and the value where the cut may split a tied group (``[B]``: the ``c``-th
-    value; None when the shard holds fewer than ``c`` tokens, or ``c`` is 0: nothing is cut).
-    ``x``: ``[B, R]``; ``ids``: ``[R]``."""
-    B, R = x.shape
-    m = min(c, R)
-    vals = torch.full((B, c), NEG_INF, dtype=torch.float64, device=x.device)
-    cand_id = torch.full((B, c), -1, dtype=torch.long, device=x.device)
-    if m:
-        best = x.topk(m, 1)
-        vals[:, :m], cand_id[:, :m] = best.values.double(), ids[best.indices]
-    return vals, cand_id, vals[:, c - 1] if m == c > 0 else None
 
 
 def threshold(local_histogram: Callable[[int, int, torch.Tensor, int], torch.Tensor], B: int,

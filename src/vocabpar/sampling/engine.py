@@ -33,7 +33,7 @@ import torch
 from vocabpar import comm
 from vocabpar.hashing import fingerprint
 from vocabpar.layout import VocabLayout
-from vocabpar.sampling.dense import top
+from vocabpar.sampling.candidates import shard_top
 from vocabpar.sampling.failures import Failures
 from vocabpar.sampling.fixed import Choice, DraftPairs, padded
 from vocabpar.sampling.fused import nan_and_ties
@@ -309,7 +309,9 @@ class Sampler:
         else:
             xmax = torch.full((B,), NEG_INF, device=device)
             xmax_id = torch.full((B,), -1, device=device)
-        cand, cand_id, cut = top(x, ids, c)
+        cand, cand_id = shard_top(x, ids, c)
+        # the c-th value, where the cut may split a tied group; none where the shard sends it all
+        cut = cand[:, c - 1] if 0 < c <= x.shape[1] else None
         has_nan, ties = nan_and_ties(raw, x, real, cut)
         record = round_one(c, ties=True)
         local = padded(record.pack(max=torch.where(has_nan, float("nan"), xmax.double()), max_id=xmax_id,
