@@ -73,7 +73,7 @@ def bench(reps: int) -> dict:
     layout = head.layout
     res["dp_exchange"] = {
         "all_to_all": timed(lambda: to_token_order(comm.all_to_all(local, [64] * n, [64] * n)
-                                                    .view(n, 64, layout.max_rows), layout), reps),
+                                                    .view(n, 64, layout.shard_width), layout), reps),
         "all_gather": timed(lambda: to_token_order(comm.all_gather(local), layout)[me * 64: (me + 1) * 64],
                             reps)}
     # 3. B=1024 FP32: per-row reduction of full-vocab logits, chunked vs whole

@@ -143,7 +143,7 @@ def bench(tokens: int, reps: int, mmap_threshold: int) -> dict:
     if mmap_threshold and _libc is not None:
         _libc.mallopt(-3, mmap_threshold)  # M_MMAP_THRESHOLD; also stops glibc's dynamic raising
     layout, head, hidden, targets = _setup(tokens)
-    res: dict = {"max_rows": layout.max_rows, "trimmed": _trim is not None}
+    res: dict = {"shard_width": layout.shard_width, "trimmed": _trim is not None}
     # warm-up on one chunk of each path, and an exact check of the ranks on it (outside timing)
     first = slice(0, CHUNK)
     res["reads"] = {}
@@ -199,7 +199,7 @@ def main() -> None:
     per_rank = run(bench, N, tokens, args.reps, args.mmap_threshold, timeout=900, run_timeout=1800)
     r0 = per_rank[0]
     chunks = -(-tokens // CHUNK)
-    shard_block, full_block = tokens * r0["max_rows"] * 4, tokens * V * 4
+    shard_block, full_block = tokens * r0["shard_width"] * 4, tokens * V * 4
     allocator = f"mmap threshold fixed at {args.mmap_threshold:,} B" if args.mmap_threshold \
         else "glibc default allocator"
     print(f"T={tokens} V={V} H={H} ranks={N} gloo, FP32 head, {chunks} chunks of {CHUNK} rows; ms = full "

@@ -166,7 +166,7 @@ def test_bias_softcap_scale_and_aligned_stride(features):
 
 def test_collection_bytes_per_strategy(features):
     n = N_FEATURES
-    width = VocabLayout(1000, n).max_rows * 4
+    width = VocabLayout(1000, n).shard_width * 4
     for me, out in enumerate(features):
         traffic = out["traffic"]
         assert traffic["all_gather"] == ((n - 1) * 24 * width,) * 2

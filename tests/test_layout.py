@@ -101,7 +101,7 @@ def test_random_layouts_are_consistent(vocab, added, n, scheme, pad_to):
     assert all(a.added_end == b.added_start for a, b in zip(shards, shards[1:]))
     assert sum(s.num_org + s.num_added for s in shards) == vocab
     assert sum(s.rows for s in shards) == layout.padded_vocab_size
-    assert layout.max_rows == max(s.rows for s in shards)
+    assert layout.shard_width == max(s.rows for s in shards)
     if scheme == "padded":
         assert layout.padded_vocab_size % layout.quantum == 0
         assert len({s.rows for s in shards}) == 1

@@ -110,7 +110,7 @@ def test_comm_byte_model():
 
 def test_ranks_not_dividing_vocab():
     # llama-2-7b at 3 ranks: padded to lcm(64, 3) = 192 -> 32064 rows; uneven ceil -> 10667
-    assert P.shard_rows(32000, 3) == 32064 // 3 == VocabLayout(32000, 3).max_rows
+    assert P.shard_rows(32000, 3) == 32064 // 3 == VocabLayout(32000, 3).shard_width
     assert P.shard_rows(32000, 3, "uneven") == 10667
     costs = _costs(_workload("llama-2-7b", ranks=3, batch=5))
     assert costs["vllm-all-gather"].weight_bytes == 2 * 10688 * 4096 * 2

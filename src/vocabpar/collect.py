@@ -36,14 +36,14 @@ class ShardedLogits:
 
 
 def padded_local(head: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
-    """This rank's FP32 logits ``[T, max_rows]`` of ``hidden`` ``[T, H]``: its shard padded to
+    """This rank's FP32 logits ``[T, shard_width]`` of ``hidden`` ``[T, H]``: its shard padded to
     the widest, the block every collecting strategy sends."""
-    out = torch.empty(hidden.shape[0], head.layout.max_rows, dtype=torch.float32, device=hidden.device)
+    out = torch.empty(hidden.shape[0], head.layout.shard_width, dtype=torch.float32, device=hidden.device)
     return head.logits_into(hidden, out)
 
 
 def to_token_order(stacked: torch.Tensor, layout: VocabLayout) -> torch.Tensor:
-    """``[n, B, max_rows]`` shards in rank order -> ``[B, vocab_size]`` in token order, padding
+    """``[n, B, shard_width]`` shards in rank order -> ``[B, vocab_size]`` in token order, padding
     dropped: one copy of each rank's org and added id range, so one pass over ``[B, V]``."""
     out = stacked.new_empty(stacked.shape[1], layout.vocab_size)
     for r, shard in enumerate(layout.shards):
@@ -81,7 +81,7 @@ def _to_owners(head, hidden, sizes, dst, scatter):
         start = sum(sizes[:me])
         return _local_full(head, hidden[start: start + sizes[me]])
     received = comm.all_to_all(padded_local(head, hidden), sizes, [sizes[me]] * n, head.group)
-    return to_token_order(received.view(n, sizes[me], head.layout.max_rows), head.layout)
+    return to_token_order(received.view(n, sizes[me], head.layout.shard_width), head.layout)
 
 
 def _dp_gather_scatter(head, hidden, sizes, dst, scatter):

@@ -17,6 +17,7 @@ Schemes:
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -150,13 +151,23 @@ class VocabLayout:
                      org_per - (org_end - org_start), added_per - (added_end - added_start))
 
     @property
-    def max_rows(self) -> int:
-        """Rows of the largest shard (rank 0's), without building every shard."""
+    def shard_width(self) -> int:
+        """Vocabulary entries of the widest shard (rank 0's), padding included, without building
+        every shard: the width of each rank's logits ``[B, shard_width]``."""
         if self.scheme == "padded":
             return self.padded_vocab_size // self.world_size
         if self.scheme == "uneven":
             return -(-self.vocab_size // self.world_size)
         return self.vocab_size
+
+    @property
+    def max_rows(self) -> int:
+        """Deprecated name of :attr:`shard_width` (``max_rows`` is the engine ``Sampler``'s batch
+        bound)."""
+        warnings.warn("VocabLayout.max_rows is deprecated: use VocabLayout.shard_width (the vocabulary "
+                      "entries per rank); max_rows now means batch rows only",
+                      DeprecationWarning, stacklevel=2)
+        return self.shard_width
 
     # ------------------------------------------------------------------ id arithmetic
     def owner(self, ids: torch.Tensor) -> torch.Tensor:

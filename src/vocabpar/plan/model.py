@@ -97,7 +97,7 @@ def shard_rows(vocab: int, ranks: int, scheme: str = "padded", pad_to: int = 64)
     """Rows stored by the largest shard, padding included: the weight rows per rank and the
     all-gather chunk width. Padded: ``padded_vocab/n`` with quantum ``lcm(pad_to, n)``;
     uneven: ``ceil(V/n)``; replicated: ``V``."""
-    return VocabLayout(vocab, ranks, pad_to=pad_to, scheme=scheme).max_rows
+    return VocabLayout(vocab, ranks, pad_to=pad_to, scheme=scheme).shard_width
 
 
 def weight_bytes(rows: int, hidden: int, dtype_bytes: int, matrices: int = 2) -> int:

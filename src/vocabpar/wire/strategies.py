@@ -10,7 +10,7 @@ function and tests.
 Sizes follow the byte model of :mod:`vocabpar.wire.traffic`: what the busiest rank receives to
 collect logits, to gather DP hidden rows, to sample greedily on shards and to exchange
 embeddings, and its peak logits memory, are stated here as its ring formulas, and the planner
-only calls them. ``c`` is the widest shard (:attr:`vocabpar.layout.VocabLayout.max_rows`):
+only calls them. ``c`` is the widest shard (:attr:`vocabpar.layout.VocabLayout.shard_width`):
 collected shards travel padded to it.
 """
 
