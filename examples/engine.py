@@ -9,11 +9,13 @@ Each rank of a TP group computes only its own columns of the logits, in bf16, as
 ``ColumnParallelLinear(gather_output=False)``. The engine knows its shard the way those engines
 describe it -- the first and last vocabulary id on this rank and the rows it stores, padding
 included -- and builds the matching :class:`vocabpar.VocabLayout` from that. It then hands the
-shard, converted to FP32, to vocabpar on the TP group only: ``sample``, ``verify`` and
-``token_logprobs``, and the same three through the engine ``Sampler``. Each returns the same
-result on every rank of the group, which this script checks against the single-process
-references on the gathered logits (gathered here for the check only). Rank 0 prints one line per
-check; the exit status is 1 when any check fails on any rank. It also runs as one process.
+shard to vocabpar on the TP group only: converted to FP32 to the functional ``sample``,
+``verify`` and ``token_logprobs``, and in bf16 as it is to the same three of the engine
+``Sampler`` (which upcasts inside the call), whose results come to the host in one copy with
+their failure flags (``to_host()``). Each returns the same result on every rank of the group,
+which this script checks against the single-process references on the gathered logits (gathered
+here for the check only). Rank 0 prints one line per check; the exit status is 1 when any check
+fails on any rank. It also runs as one process.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch.distributed as dist
 
 import vocabpar
 from vocabpar import (
+    Sampler,
     SamplingParams,
     VocabLayout,
     comm,
@@ -35,7 +38,6 @@ from vocabpar import (
     token_logprobs,
     verify,
 )
-from vocabpar.sampling import Sampler
 
 VOCAB, HIDDEN, PAD_TO = 1000, 64, 64  # vLLM pads the vocabulary to a multiple of 64, then splits it
 TP = 2
@@ -109,7 +111,8 @@ def main() -> int:
     checks: list[tuple[str, bool]] = []
 
     # decode: one token per row, sampled from the sharded logits
-    local = engine.logits(randn(B, HIDDEN)).float()  # vocabpar takes FP32
+    logits = engine.logits(randn(B, HIDDEN))  # bf16, as the head's GEMM gives them
+    local = logits.float()  # the functional sample() takes FP32
     positions = torch.tensor([5, 9, 2, 7], device=device)
     params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=1234)
     out = sample(local, engine.layout, params, positions=positions, group=tp)
@@ -117,16 +120,18 @@ def main() -> int:
     want = reference_sample(full, params, positions=positions)
     checks.append(("sample", torch.equal(out.tokens, want.tokens)))
 
-    # the same step through the engine Sampler: built once, each batch prepared on the host, then
-    # a fixed script per call with no host read (the verified rows, B·(2k+1), must fit max_rows)
-    sampler = Sampler(engine.layout, max_rows=B * (2 * k + 1), max_top_n=3, group=tp)
+    # the same step through the engine Sampler: built once (max_drafts=k sizes verify's stacked
+    # rows, B·(2k+1) with draft logits), each batch prepared on the host, then a fixed script per
+    # call with no host read; it takes the bf16 shard as it is
+    sampler = Sampler(engine.layout, max_rows=B, max_drafts=k, max_top_n=3, group=tp)
     batch = sampler.prepare(params, positions=positions)
-    step = sampler.sample(local, batch)
-    step.raise_if_failed()
-    checks.append(("Sampler.sample", torch.equal(step.tokens, out.tokens)))
+    step = sampler.sample(logits, batch).to_host()  # one device-to-host copy: the ids and the failure flags
+    step.raise_if_failed()  # reads nothing more from the device
+    checks.append(("Sampler.sample", torch.equal(step.tokens, out.tokens.cpu())))
 
     # speculative decoding: verify k drafts per row, with the draft model's (sharded) logits
-    target = engine.logits(randn(B, k + 1, HIDDEN)).float()
+    target_bf16 = engine.logits(randn(B, k + 1, HIDDEN))
+    target = target_bf16.float()
     draft = target[:, :k] + randn(B, k, target.shape[-1])
     drafts = engine.gathered(draft).argmax(-1)  # the draft model's greedy proposals
     got = verify(target, engine.layout, params, drafts, positions=positions, draft_logits=draft, group=tp)
@@ -134,22 +139,24 @@ def main() -> int:
                                 draft_logits=engine.gathered(draft))
     checks.append(("verify", torch.equal(got.tokens, expected.tokens)
                    and torch.equal(got.accepted, expected.accepted)))
-    engine_got = sampler.verify(target, batch, drafts, draft)
+    engine_got = sampler.verify(target_bf16, batch, drafts, draft).to_host()
     engine_got.raise_if_failed()
-    checks.append(("Sampler.verify", torch.equal(engine_got.tokens, got.tokens)))
+    checks.append(("Sampler.verify", torch.equal(engine_got.tokens, got.tokens.cpu())))
 
     # prompt scoring: log-probabilities of given tokens, never gathering [T, V]
     prompt = torch.randint(0, VOCAB, (9,), generator=g).to(device)
-    scores = engine.logits(randn(8, HIDDEN)).float()
+    scores_bf16 = engine.logits(randn(8, HIDDEN))
+    scores = scores_bf16.float()
     lp = token_logprobs(scores, engine.layout, prompt[1:], top_n=3, group=tp)
     exact = torch.log_softmax(engine.gathered(scores).double(), -1)
     scored = exact.gather(1, prompt[1:, None])[:, 0]
     checks.append(("token_logprobs", torch.allclose(lp.logprobs.double(), scored, atol=1e-5)
                    # bf16 logits tie often, so the top lists are compared by value
                    and torch.allclose(lp.top_logprobs.double(), exact.topk(3).values, atol=1e-5)))
-    engine_lp = sampler.token_logprobs(scores, prompt[1:], top_n=3)
+    scorer = Sampler(engine.layout, max_rows=8, max_top_n=3, group=tp)  # prompt chunks of up to 8 tokens
+    engine_lp = scorer.token_logprobs(scores_bf16, prompt[1:], top_n=3).to_host()
     engine_lp.raise_if_failed()
-    checks.append(("Sampler.token_logprobs", torch.allclose(engine_lp.logprobs, lp.logprobs)))
+    checks.append(("Sampler.token_logprobs", torch.allclose(engine_lp.logprobs, lp.logprobs.cpu())))
 
     failed = torch.tensor([int(not all(ok for _, ok in checks))], device=device)
     failed = comm.all_reduce_max(failed)  # a check failing on any rank fails every rank

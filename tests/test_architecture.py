@@ -2,8 +2,9 @@
 
 A module imports only from its own floor or below (imports inside functions count). Floors,
 bottom up: 1 pure facts (layout, hashing, presets, wire), 2 sending and pricing (comm, plan,
-launch, rss), 3 vocab matrices and sampling, 4 the head and collection, 5 integrations,
-6 demo and plots, 7 the command line."""
+launch, rss), 3 vocab matrices, sampling and the compiled passes (kernels: level with sampling, whose
+float steps they compute), 4 the head and collection, 5 integrations,
+6 demo, plots and the planner's report text, 7 the command line."""
 
 import ast
 from pathlib import Path
@@ -15,10 +16,10 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "vocabpar"
 FLOORS = {
     "layout": 1, "hashing": 1, "exactmath": 1, "presets": 1, "wire": 1, "host_reads": 1,
     "comm": 2, "plan": 2, "launch": 2, "rss": 2,
-    "weights": 3, "embedding": 3, "sampling": 3,
+    "weights": 3, "embedding": 3, "sampling": 3, "kernels": 3,
     "head": 4, "collect": 4,
     "integrations": 5,
-    "demo": 6, "plots": 6, "bench": 6,
+    "demo": 6, "plots": 6, "bench": 6, "report": 6,
     "cli": 7, "__main__": 7,
 }
 MAX_LINES = 500
@@ -98,6 +99,16 @@ def test_the_cost_model_and_the_wire_import_no_plotting_and_no_torch_distributed
     for module, deps in IMPORTS.items():
         if module.startswith(("vocabpar.plan", "vocabpar.wire")):
             banned = {d for d in deps if d.startswith(("matplotlib", "torch.distributed", "vocabpar.comm"))}
+            assert not banned, f"{module} imports {banned}"
+
+
+def test_the_kernels_take_only_the_float_steps_from_sampling_and_never_send():
+    """The compiled passes compute the float steps of ``sampling.noise`` and ``sampling.semantics``;
+    they import no sampler orchestration and nothing that crosses ranks."""
+    allowed = {"vocabpar.sampling.noise", "vocabpar.sampling.semantics"}
+    for module, deps in GRAPH.items():
+        if module.startswith("vocabpar.kernels"):
+            banned = {d for d in deps - allowed if d.startswith(("vocabpar.sampling", "vocabpar.comm"))}
             assert not banned, f"{module} imports {banned}"
 
 

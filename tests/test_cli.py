@@ -159,7 +159,7 @@ def test_warm_names_a_pass_that_cannot_compile_and_exits_1(monkeypatch, capsys, 
     exits 1; the pass warned once and runs eager with the eager result."""
     import torch
 
-    from vocabpar.sampling import fused, warm
+    from vocabpar.kernels import fused, warm
 
     monkeypatch.setenv("VOCABPAR_PASS_STORE", str(tmp_path))
     broken = fused.Fused(_data_dependent)

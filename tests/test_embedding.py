@@ -255,7 +255,7 @@ def test_exchange_cost_model_prefers_all_reduce_under_skew():
 
 def test_exchange_costs_are_the_planners_formula():
     """``auto`` chooses with the planner's byte formula, scaled to rows."""
-    from vocabpar.plan import embedding_exchange_bytes
+    from vocabpar.plan.model import embedding_exchange_bytes
 
     counts, H, b = [700, 200, 100, 24], 64, 2
     for mode, rows in exchange_costs(counts, 1024).items():

@@ -6,6 +6,7 @@ on every rank. One launch per world size runs every check; the main process comp
 import dataclasses
 import functools
 import math
+import re
 
 import pytest
 import torch
@@ -14,7 +15,15 @@ from vocabpar import SamplingParams, VocabLayout, comm, reference_sample, refere
 from vocabpar.host_reads import counting
 from vocabpar.launch import run
 from vocabpar.sampling import Sampler, TokenCounts
-from vocabpar.wire.scripts import calls, engine_plan, engine_sample_script, price
+from vocabpar.sampling.scoring import TokenLogprobs
+from vocabpar.wire.scripts import (
+    ENGINE_FACTS,
+    calls,
+    engine_plan,
+    engine_sample_script,
+    engine_score_script,
+    price,
+)
 
 V, ORG, MAX_ROWS, K = 2500, 2490, 12, 3
 SIZES = (7, 12)  # two batches under one max_rows
@@ -128,6 +137,26 @@ def _engine_all():
         batch = unchecked.prepare(_params("top-p 0.9", 12), positions=torch.arange(12) * 3)
         out["unchecked", layout.scheme] = _call(unchecked.sample, _shard(FAMILIES["flat"], layout), batch)
     out["failures"] = _failures(n)
+    out["half precision"] = _half_precision(n)
+    return out
+
+
+def _half_precision(n: int) -> dict:
+    """bf16 and fp16 shards (upcast inside the calls), through a sampler sized by ``max_drafts``."""
+    layout = _layouts(n)[1]
+    sampler = Sampler(layout, max_rows=3, max_top_n=5, max_drafts=K)
+    out = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        full = FAMILIES["flat"][:12].to(dtype)
+        batch = sampler.prepare(_params("logprobs raw", 3), positions=torch.tensor([4, 9, 20]))
+        out["sample", dtype] = sampler.sample(_shard(full[:3], layout), batch).to_host()
+        target = full.reshape(3, K + 1, V)
+        draft, drafts = _drafts(target.float())
+        batch = sampler.prepare(_params("full", 3), positions=torch.tensor([4, 9, 20]))
+        out["verify", dtype] = sampler.verify(_shard(target, layout), batch, drafts,
+                                              _shard(draft.to(dtype), layout)).to_host()
+        scored = sampler.token_logprobs(_shard(full[:3], layout), drafts[:, 0], top_n=5)
+        out["score", dtype] = scored.to_host()
     return out
 
 
@@ -158,20 +187,41 @@ def _failures(n: int) -> dict:
         except ValueError as e:
             return str(e)
 
+    def copied(out) -> tuple[int, int, str]:
+        """Host reads of ``to_host()``, then of raising from the copy, and the message."""
+        with counting() as copy:
+            host = out.to_host()
+        with counting() as after:
+            text = message(host)
+        assert torch.equal(host.tokens, out.tokens) and host.tokens.device.type == "cpu"
+        return sum(copy.values()), sum(after.values()), text
+
+    last = me == n - 1
     batch = sampler.prepare(_params("top-p 0.9", B), positions=torch.arange(B))
     out = sampler.sample(_shard(full, layout), batch)
-    seen["bad rows"] = message(out), out.tokens
+    seen["bad rows"] = message(out), out.tokens, copied(out)
+    flat = _shard(FAMILIES["flat"][:B], layout)
+    seen["float64"] = copied(sampler.sample(flat.double() if last else flat, batch))
+    scored = torch.arange(B) * 7
+    full_rows = FAMILIES["zipf"][:B] if me == 0 else _shard(FAMILIES["zipf"][:B], layout)
+    seen["full rows"] = message(sampler.token_logprobs(full_rows, scored))
+    seen["token id row"] = message(sampler.token_logprobs(flat, scored + (last and scored == 28)))
     shifted = torch.arange(B) + (1 if me == 1 else 0)
     batch = sampler.prepare(_params("full", B), positions=shifted)
-    seen["positions"] = message(sampler.sample(_shard(FAMILIES["flat"][:B], layout), batch))
+    seen["positions"] = message(sampler.sample(flat, batch))
+    top_p = [0.9] * B
+    top_p[3] = 0.8 if last else 0.9
+    batch = sampler.prepare(dataclasses.replace(_params("full", B), top_p=top_p), positions=torch.arange(B))
+    seen["parameter row"] = message(sampler.sample(flat, batch))
     drafts = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
-    if me == n - 1:
-        drafts[2, 1] = V + 5
     batch = verifier.prepare(_params("top-p 0.9", 3), positions=torch.arange(3))
     target = _shard(FAMILIES["flat"][:12].reshape(3, K + 1, V), layout)
+    seen["draft row"] = message(verifier.verify(target, batch, drafts + (last and drafts == 8)))
+    if last:
+        drafts[2, 1] = V + 5
     seen["draft id"] = message(verifier.verify(target, batch, drafts))
     batch = sampler.prepare(_params("top-p 0.9", B), positions=torch.arange(B))
-    seen["afterwards"] = sampler.sample(_shard(FAMILIES["flat"][:B], layout), batch).tokens
+    seen["afterwards"] = sampler.sample(flat, batch).tokens
     return seen
 
 
@@ -211,16 +261,16 @@ def test_tokens_and_logprobs_equal_the_reference(engine):
             got, ref = out[key][0], _reference(*key[2:])
             got.raise_if_failed()
             assert torch.equal(got.tokens, ref.tokens), (n, key)
-            if ref.logprob is not None:
+            if ref.logprobs is not None:
                 _assert_logprobs(got, ref, (n, key))
         for key in (k for k in out if k[0] == "penalised"):
             assert torch.equal(out[key][0].tokens, _reference_penalised(key[2]).tokens), (n, key)
 
 
 def _assert_logprobs(got, ref, where) -> None:
-    assert torch.equal(got.top_ids, ref.top_ids) and torch.equal(got.rank, ref.rank), where
+    assert torch.equal(got.top_ids, ref.top_ids) and torch.equal(got.ranks, ref.ranks), where
     close = functools.partial(torch.testing.assert_close, atol=1e-5, rtol=0, equal_nan=True)
-    close(got.logprob, ref.logprob)
+    close(got.logprobs, ref.logprobs)
     close(got.top_logprobs, ref.top_logprobs)
 
 
@@ -257,7 +307,7 @@ def test_no_host_read_in_any_call(engine):
     if n not in COUNTED:
         pytest.skip(f"host reads are counted at {COUNTED} ranks")
     for out in per_rank:
-        reads = {key: value[1] for key, value in out.items() if key != "failures"}
+        reads = {key: value[1] for key, value in out.items() if isinstance(key, tuple)}
         assert reads and not any(reads.values()), {k: r for k, r in reads.items() if r}
 
 
@@ -294,8 +344,29 @@ def test_one_fixed_script_per_plan_priced_as_the_planner_prices_it(engine):
                 assert max(counts[c] for c in ("top-p 0.9", "top-k 1000", "min-p 0.1")) <= 5, counts
 
 
-def test_failures_are_flags_raised_alike_on_every_rank(engine):
+def test_scoring_reports_the_fixed_script_it_sends(engine):
+    """``token_logprobs``'s ``script`` is the engine's scoring script for ``max_rows`` rows and the
+    asked top-n, and it is what each rank measured, message for message (none on one rank)."""
     n, per_rank = engine
+    for out in per_rank:
+        for layout in _layouts(n):
+            ranks = 1 if layout.scheme == "replicated" else n
+            for top_n in (0, 5):
+                got, _, sent = out["score", layout.scheme, top_n]
+                assert got.script == engine_score_script(MAX_ROWS, top_n, ENGINE_FACTS), (n, layout.scheme)
+                assert sent == calls(got.script, ranks), (n, layout.scheme, top_n)
+                assert len(sent) == (2 if ranks > 1 else 0), (n, layout.scheme, top_n)
+                halves = [got.map(lambda t: t[:6]), got.map(lambda t: t[6:])]
+                assert halves[0].script == got.script  # the rows of one call, from its collectives
+                assert TokenLogprobs.concat(halves).script == got.script * 2  # both parts' collectives
+
+
+def test_failures_are_flags_raised_alike_on_every_rank(engine):
+    """The same message on every rank, from the device output or its host copy (one host read
+    to copy, none to raise); a bad shard names the rank, what was expected and what came; a
+    disagreement names the first rank and row that differ from rank 0's."""
+    n, per_rank = engine
+    layout = _layouts(n)[0]
     seen = [out["failures"] for out in per_rank]
     bad_rows = {s["bad rows"][0] for s in seen}
     assert len(bad_rows) == 1 and "rows [2] contain NaN logits" in bad_rows.pop()
@@ -307,13 +378,57 @@ def test_failures_are_flags_raised_alike_on_every_rank(engine):
         ref = reference_sample(FAMILIES["peaked"][fine], params, positions=torch.tensor(fine))
         assert torch.equal(tokens[fine], ref.tokens)
         assert "rows [4] have no allowed token" in s["bad rows"][0]
-    positions = {s["positions"] for s in seen}
-    assert len(positions) == 1
-    assert ("ranks disagree on positions" in positions.pop()) == (n > 1)
+    for name, what, rank, row in (("positions", "positions", 1, 0),
+                                  ("parameter row", "sampling parameters", n - 1, 3),
+                                  ("draft row", "draft tokens", n - 1, 2),
+                                  ("token id row", "token ids", n - 1, 4)):
+        texts = {s[name] for s in seen}
+        assert len(texts) == 1
+        named = (f"ranks disagree on {what} (rank {rank} differs from rank 0 first at row {row}; they must "
+                 f"be the same on every rank)")
+        assert (named in texts.pop()) == (n > 1), name
+    width = layout.shard(n - 1).rows
+    expected = "must be float32, bfloat16 or float16 [6, {}] on the batch's device"
+    assert {s["float64"] for s in seen} == {(1, 0, (
+        f"Sampler.sample: rank {n - 1}: local_logits {expected.format(width)}, got "
+        f"torch.float64(6, {width}): convert them with .float()"))}
+    assert {s["bad rows"][2] for s in seen} == {(1, 0, seen[0]["bad rows"][0])}
+    full_rows = {s["full rows"] for s in seen}
+    columns = layout.shard(0).rows
+    assert full_rows == {(
+        f"Sampler.token_logprobs: rank 0: local_logits {expected.format(columns)}, got "
+        f"torch.float32(6, {V}): these are full rows of the vocabulary ({V} ids) but the layout gives rank 0 "
+        f"{columns} columns; pass each rank's shard (compute_logits(strategy='none')) or sample full rows "
+        f"with reference_sample")}
     draft_id = {s["draft id"] for s in seen}
     assert len(draft_id) == 1 and f"rank {n - 1} passed a draft token outside" in draft_id.pop()
     ref = reference_sample(FAMILIES["flat"][:6], _params("top-p 0.9", 6), positions=torch.arange(6)).tokens
     assert all(torch.equal(s["afterwards"], ref) for s in seen)
+
+
+@pytest.mark.exact
+def test_bf16_and_fp16_shards_give_the_results_of_their_float32_upcast(engine):
+    n, per_rank = engine
+    positions = torch.tensor([4, 9, 20])
+    for out in per_rank:
+        for dtype in (torch.bfloat16, torch.float16):
+            full = FAMILIES["flat"][:12].to(dtype).float()
+            got = out["half precision"]["sample", dtype]
+            got.raise_if_failed()
+            ref = reference_sample(full[:3], _params("logprobs raw", 3), positions=positions)
+            assert torch.equal(got.tokens, ref.tokens), (n, dtype)
+            _assert_logprobs(got, ref, (n, dtype))
+            target = full.reshape(3, K + 1, V)
+            draft, drafts = _drafts(target)
+            got = out["half precision"]["verify", dtype]
+            got.raise_if_failed()
+            ref = reference_verify(target, _params("full", 3), drafts, positions=positions,
+                                   draft_logits=draft.to(dtype).float())
+            assert torch.equal(got.accepted, ref.accepted) and torch.equal(got.tokens, ref.tokens), (n, dtype)
+            got = out["half precision"]["score", dtype]
+            got.raise_if_failed()
+            want = torch.log_softmax(full[:3].double(), 1).gather(1, drafts[:, :1])[:, 0]
+            torch.testing.assert_close(got.logprobs.double(), want, atol=2e-5, rtol=0)
 
 
 def test_forced_token_rows_keep_logprobs_for_the_others():
@@ -323,9 +438,9 @@ def test_forced_token_rows_keep_logprobs_for_the_others():
     logits[1, 7] = float("inf")
     layout = VocabLayout(50, 1, scheme="replicated")
     out = sample(logits, layout, SamplingParams(logprobs=2), positions=torch.arange(3))
-    assert out.tokens[1] == 7 and out.logprob[1].isnan()
+    assert out.tokens[1] == 7 and out.logprobs[1].isnan()
     want = torch.log_softmax(logits.double(), 1).gather(1, out.tokens[:, None])[:, 0]
-    torch.testing.assert_close(out.logprob[[0, 2]].double(), want[[0, 2]], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.logprobs[[0, 2]].double(), want[[0, 2]], atol=1e-5, rtol=0)
 
 
 def test_construction_and_prepare_reject_bad_input_in_one_line():
@@ -346,5 +461,68 @@ def test_construction_and_prepare_reject_bad_input_in_one_line():
     with pytest.raises(ValueError, match="top_n must be an int"):
         sampler.token_logprobs(torch.zeros(2, 100), torch.arange(2), top_n=3)
     out = sampler.sample(torch.zeros(2, 99), batch)  # a wrong width is a flag, not an exception
-    with pytest.raises(ValueError, match="rank 0 passed logits of the wrong dtype or shape"):
+    with pytest.raises(ValueError, match=re.escape(
+            "Sampler.sample: rank 0: local_logits must be float32, bfloat16 or float16 [2, 100] on the "
+            "batch's device, got torch.float32(2, 99): the layout gives rank 0 100 columns of a 100-id "
+            "vocabulary")):
         out.raise_if_failed()
+
+
+def test_each_per_row_argument_of_prepare_is_named_in_a_length_error():
+    sampler = Sampler(VocabLayout(100, 1, scheme="replicated"), max_rows=8)
+    for kwargs, message in ((dict(params=SamplingParams(temperature=[0.5] * 5)), "temperature has 5"),
+                            (dict(params=SamplingParams(top_k=[1] * 5, seed=[1, 2, 3])),
+                             "top_k has 5 and seed has 3"),
+                            (dict(params=SamplingParams(logprobs=[1, 2])), "logprobs has 2"),
+                            (dict(token_counts=TokenCounts.from_history([[1]] * 5)), "token_counts has 5"),
+                            (dict(bitmask=torch.zeros(3, 4, dtype=torch.int32)), "bitmask has 3")):
+        wanted = f"^positions has 4 rows but {message}: every per-row argument needs one value per row"
+        with pytest.raises(ValueError, match=wanted):
+            sampler.prepare(**{"params": SamplingParams(), **kwargs}, positions=torch.arange(4))
+
+
+def test_verify_names_its_row_bound_and_max_drafts_sizes_it():
+    layout = VocabLayout(100, 1, scheme="replicated")
+    params, B, k = SamplingParams(seed=[1, 2, 3]), 3, 2
+    target, draft = torch.randn(B, k + 1, 100), torch.randn(B, k, 100)
+    drafts = torch.tensor([[1, 2], [3, 4], [5, 6]])
+    small = Sampler(layout, max_rows=B * (k + 1))
+    batch = small.prepare(params, positions=torch.arange(B))
+    small.verify(target, batch, drafts).raise_if_failed()  # B·(k+1) rows fit without draft logits
+    with pytest.raises(ValueError, match=re.escape(
+            "Sampler.verify: B=3 rows with k=2 drafts and draft logits stack 3·(2+1) target rows + 3·2 "
+            "draft rows = 15 rows, more than max_rows=9; verify needs B·(k+1) rows, B·(2k+1) with draft "
+            "logits: build the Sampler with max_rows >= 15, or with max_rows=3 and max_drafts=2")):
+        small.verify(target, batch, drafts, draft)
+    sized = Sampler(layout, max_rows=B, max_drafts=k)
+    assert sized.verify_rows == B * (2 * k + 1)
+    got = sized.verify(target, sized.prepare(params, positions=torch.arange(B)), drafts, draft)
+    want = reference_verify(target, params, drafts, positions=torch.arange(B), draft_logits=draft)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.accepted, want.accepted)
+    with pytest.raises(ValueError, match=re.escape("more than max_rows·(2·max_drafts+1) = 5 (max_rows=1, "
+                                                   "max_drafts=2)")):
+        one = Sampler(layout, max_rows=1, max_drafts=2)  # k=3 drafts: 1·(3+1) + 1·3 = 7 rows
+        one.verify(torch.zeros(1, 4, 100), one.prepare(SamplingParams(), positions=torch.arange(1)),
+                   torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3, 100))
+    with pytest.raises(ValueError, match=r"max_drafts must be an int in \[0, 2\*\*24\] or None, got -1"):
+        Sampler(layout, max_rows=1, max_drafts=-1)
+    with pytest.raises(ValueError, match=re.escape("draft_tokens must be int64 [3, k] (k drafts per row of "
+                                                   "the batch), got torch.int32(3, 2)")):
+        small.verify(target, batch, drafts.int())
+
+
+def test_host_copy_and_deprecated_names():
+    """``to_host()`` is one read and its tensors are the device output's; ``logprob`` / ``rank``
+    still answer, with a ``DeprecationWarning``."""
+    sampler = Sampler(VocabLayout(100, 1, scheme="replicated"), max_rows=4, max_top_n=2)
+    batch = sampler.prepare(SamplingParams(logprobs=2), positions=torch.arange(3))
+    out = sampler.sample(torch.randn(3, 100), batch)
+    with counting() as reads:
+        host = out.to_host()
+    assert sum(reads.values()) == 1 and out.tokens.data_ptr() == out.packed.words.data_ptr()
+    for name in ("tokens", "logprobs", "top_ids", "top_logprobs", "ranks"):
+        torch.testing.assert_close(getattr(host, name), getattr(out, name), rtol=0, atol=0, equal_nan=True)
+    for old, new in (("logprob", "logprobs"), ("rank", "ranks")):
+        with pytest.warns(DeprecationWarning, match=f"SampleOutput.{old} is deprecated: use "
+                                                    f"SampleOutput.{new}"):
+            assert getattr(out, old) is getattr(out, new)

@@ -9,11 +9,15 @@ then loads them all from it."""
 
 import contextlib
 import dataclasses
+import functools
+import io
 import math
 import os
 import shutil
+import types
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,8 +34,9 @@ from vocabpar import (
     sample,
     token_logprobs,
 )
+from vocabpar.kernels import fused, store, warm
 from vocabpar.launch import run
-from vocabpar.sampling import Sampler, fused, search, store, verify, warm
+from vocabpar.sampling import Sampler, search, verify
 from vocabpar.sampling.semantics import mass_bits, rank_key
 
 V, B, K, TOP_N = 3000, 6, 2, 3
@@ -203,6 +208,25 @@ def _store_keeps_programs_apart(directory: str) -> dict:
     return out
 
 
+def _compile_notices() -> list[str]:
+    """What this rank prints on stderr as fresh pass objects run: one loaded from the store, then
+    two that must compile (the store and the compiler stood in for: nothing compiles)."""
+    program = types.SimpleNamespace(fn=_specialising, guard_check=lambda *args: True)
+    kept = store.load, store.compile_and_save, fused._noticed[0]
+    printed = []
+    store.compile_and_save = lambda fn, args, options, file: program
+    fused._noticed[0] = False  # warm silenced it in this process
+    try:
+        for found in (program, Path("missing"), Path("missing")):
+            store.load = functools.partial(lambda found, *given: found, found)
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                fused.Fused(_specialising)(torch.arange(3.0), 1)
+            printed.append(err.getvalue())
+    finally:
+        store.load, store.compile_and_save, fused._noticed[0] = kept
+    return printed
+
+
 def _ranks_job(world: int, directory: str) -> dict:
     """Every check on this rank, compiled: its share of the passes (in every calling convention)
     at several shapes against eager, then at each world size 1..``world`` (subgroups of the first
@@ -224,6 +248,7 @@ def _ranks_job(world: int, directory: str) -> dict:
                 out["limit"] = _past_the_recompile_limit()
         if comm.rank() == COMPILERS + 1:
             out["store"] = _store_keeps_programs_apart(os.path.join(directory, "own"))
+        out["notices"] = _compile_notices()
         dist.barrier()
         out["passes"] |= _check_passes(2, 5, slice(None))  # every pass, loaded from the store
         for n in range(1, world + 1):
@@ -325,6 +350,32 @@ def test_a_store_that_cannot_be_written_warns_once_and_the_pass_still_runs_compi
     assert got["unwritable"] == (1, 0, True), got
     (warning,) = got["unwritable warnings"]
     assert "cannot keep compiled passes in" in warning and "VOCABPAR_PASS_STORE" in warning, warning
+
+
+def test_the_first_compile_in_a_process_says_so_once_on_rank_0(ranks):
+    """Not when a pass loads from the store; on rank 0 before the first compilation, not again
+    for the next pass; never on the other ranks."""
+    assert ranks[0]["notices"] == ["", fused.NOTICE + "\n", ""]
+    assert all(rank["notices"] == ["", "", ""] for rank in ranks[1:])
+    assert "vocabpar warm" in fused.NOTICE and "minute" in fused.NOTICE
+
+
+@pytest.mark.parametrize(("rank", "quiet", "said"), [(None, False, True), ("0", False, True),
+                                                     ("1", False, False), (None, True, False)])
+def test_the_compile_notice_without_a_process_group_follows_rank_and_quiet(monkeypatch, capsys, rank,
+                                                                            quiet, said):
+    """Without a process group, the ``RANK`` variable (unset: 0) decides; :func:`fused.quiet`
+    silences it; at most once per process."""
+    monkeypatch.setattr(fused, "_noticed", [False])
+    if rank is None:
+        monkeypatch.delenv("RANK", raising=False)
+    else:
+        monkeypatch.setenv("RANK", rank)
+    if quiet:
+        fused.quiet()
+    fused.notice_compiling()
+    fused.notice_compiling()
+    assert capsys.readouterr().err == (fused.NOTICE + "\n" if said else "")
 
 
 def test_histogram_bins_fit_int32_only_where_no_bin_can_overflow():

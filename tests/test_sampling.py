@@ -304,10 +304,10 @@ def test_sharded_equals_reference(sharded, case):
             assert torch.equal(got.tokens, ref.tokens), f"{where}: {got.tokens} != {ref.tokens}"
             # what crossed ranks is what the call's script prices, collective for collective
             assert measured == calls(got.script, 1 if scheme == "replicated" else n), where
-            if ref.logprob is not None:
+            if ref.logprobs is not None:
                 assert torch.equal(got.top_ids, ref.top_ids), where
-                assert torch.equal(got.rank, ref.rank), where
-                assert torch.allclose(got.logprob, ref.logprob, atol=1e-5, equal_nan=True), where
+                assert torch.equal(got.ranks, ref.ranks), where
+                assert torch.allclose(got.logprobs, ref.logprobs, atol=1e-5, equal_nan=True), where
                 assert torch.allclose(got.top_logprobs, ref.top_logprobs, atol=1e-5, equal_nan=True), where
             if "logprob" in case:
                 _assert_logprobs(got, case, where)
@@ -319,7 +319,7 @@ def test_sharded_equals_reference(sharded, case):
 
 def _assert_logprobs(out, case, where: str) -> None:
     """The case's expected logprobs, to 1e-6 (float32 rounding of the float64 results)."""
-    torch.testing.assert_close(out.logprob, case["logprob"], rtol=0, atol=1e-6, msg=where)
+    torch.testing.assert_close(out.logprobs, case["logprob"], rtol=0, atol=1e-6, msg=where)
     for row, want in zip(out.top_logprobs, case["top_logprobs"]):
         torch.testing.assert_close(row[: len(want)], torch.tensor(want), rtol=0, atol=1e-6, msg=where)
 
@@ -350,7 +350,7 @@ def test_logprobs_match_torch_log_softmax():
     case = CASES[0]
     ref = _reference(case)
     logp = torch.log_softmax(case["logits"], 1)
-    assert torch.allclose(ref.logprob, logp.gather(1, ref.tokens[:, None])[:, 0], atol=1e-5)
+    assert torch.allclose(ref.logprobs, logp.gather(1, ref.tokens[:, None])[:, 0], atol=1e-5)
     top = logp.topk(4, 1)
     assert torch.allclose(ref.top_logprobs, top.values, atol=1e-5)
 
@@ -519,7 +519,7 @@ def test_empty_batch_matches_reference_with_logprobs():
     positions = torch.empty(0, dtype=torch.long)
     got = sample(torch.empty(0, layout.shard(0).rows), layout, params, positions=positions)
     want = reference_sample(torch.empty(0, 10), params, positions=positions)
-    for a, b in ((got.tokens, want.tokens), (got.top_ids, want.top_ids), (got.logprob, want.logprob)):
+    for a, b in ((got.tokens, want.tokens), (got.top_ids, want.top_ids), (got.logprobs, want.logprobs)):
         assert a.shape == b.shape and a.dtype == b.dtype
 
 
@@ -674,12 +674,12 @@ def test_per_row_logprobs_and_processed_logprobs_follow_their_definitions():
     compared = 0
     for b, n in enumerate(counts):
         if n is None:
-            assert processed.logprob[b].isnan() and processed.rank[b] == -1 and processed.top(b) == []
+            assert processed.logprobs[b].isnan() and processed.ranks[b] == -1 and processed.top(b) == []
             continue
         assert len(processed.top(b)) == n and processed.top_ids[b, n:].eq(-1).all()
         logp = torch.log_softmax(x[b].double(), 0)
-        assert abs(raw.logprob[b] - logp[raw.tokens[b]]) < 1e-5
-        assert raw.rank[b] == 1 + (x[b] > x[b, raw.tokens[b]]).sum()
+        assert abs(raw.logprobs[b] - logp[raw.tokens[b]]) < 1e-5
+        assert raw.ranks[b] == 1 + (x[b] > x[b, raw.tokens[b]]).sum()
         if params.temperature[b] == 0:  # greedy rows: no temperature or filters to apply
             warped = x[b]
         else:
@@ -689,7 +689,7 @@ def test_per_row_logprobs_and_processed_logprobs_follow_their_definitions():
                 continue
             warped = torch.where(_hf_kept(x[b], t, k, p, m), x[b] / t, float("-inf"))
         want = torch.log_softmax(warped.double(), 0)
-        assert abs(processed.logprob[b] - want[processed.tokens[b]]) < 1e-5, b
+        assert abs(processed.logprobs[b] - want[processed.tokens[b]]) < 1e-5, b
         top = [(i, lp) for i, lp in processed.top(b) if lp > float("-inf")]
         assert [i for i, _ in top] == want.topk(len(top)).indices.tolist(), b
         compared += 1

@@ -11,7 +11,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from vocabpar import SamplingParams, VocabLayout, bench, cli, comm, demo, launch, plots, sample, select_rows
+from vocabpar import (
+    Sampler,
+    SamplingParams,
+    VocabLayout,
+    bench,
+    cli,
+    comm,
+    demo,
+    launch,
+    plots,
+    sample,
+    select_rows,
+)
 from vocabpar.cli import main
 from vocabpar.demo import DemoResult, Row
 
@@ -174,6 +186,11 @@ def _message_scenarios() -> dict[str, str]:
         "other vocabulary": lambda: sample(torch.zeros(3, 700), layout, SamplingParams(),
                                            positions=positions),
     }
+    engine = Sampler(layout, max_rows=3)
+    scenarios["engine float64"] = lambda: engine.sample(local.double() if me == 1 else local, engine.prepare(
+        SamplingParams(), positions=positions)).to_host().raise_if_failed()
+    scenarios["engine top_p"] = lambda: engine.sample(local, engine.prepare(
+        SamplingParams(top_p=[0.9, 0.5 + 0.1 * me, 1.0]), positions=positions)).to_host().raise_if_failed()
     seen = {}
     for name, call in scenarios.items():
         try:
@@ -194,6 +211,16 @@ def test_a_parameter_disagreement_names_the_fields(messages):
         assert seen["seed"].endswith("the content of sampling parameters differs between ranks {0} and {1}: "
                                      "seed differ"), seen["seed"]
         assert seen["top_p and seed"].endswith(": top_p, seed differ"), seen["top_p and seed"]
+
+
+def test_the_engine_names_the_rank_what_it_expected_and_the_first_differing_row(messages):
+    for seen in messages:
+        assert seen["engine float64"] == (
+            "Sampler.sample: rank 1: local_logits must be float32, bfloat16 or float16 [3, 512] on the "
+            "batch's device, got torch.float64(3, 512): convert them with .float()")
+        assert seen["engine top_p"] == (
+            "Sampler.sample: ranks disagree on sampling parameters (rank 1 differs from rank 0 first at "
+            "row 1; they must be the same on every rank)")
 
 
 def test_logits_of_the_wrong_shape_name_the_mismatch_and_the_fix(messages):

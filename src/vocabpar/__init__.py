@@ -7,6 +7,7 @@ from vocabpar.launch import init, shutdown
 from vocabpar.layout import Shard, VocabLayout
 from vocabpar.sampling import (
     SampleOutput,
+    Sampler,
     SamplingParams,
     TokenCounts,
     VerifyOutput,
@@ -19,7 +20,7 @@ from vocabpar.sampling.scoring import TokenLogprobs, token_logprobs
 
 __all__ = ["ParallelLMHead", "Shard", "ShardedLogits", "VocabLayout", "VocabParallelEmbedding",
            "broadcast_tokens", "compute_logits", "iter_logits", "reference_logits", "select_rows",
-           "SampleOutput", "SamplingParams", "TokenCounts", "reference_sample", "sample", "TokenLogprobs",
-           "token_logprobs",
+           "Sampler", "SampleOutput", "SamplingParams", "TokenCounts", "reference_sample", "sample",
+           "TokenLogprobs", "token_logprobs",
            "VerifyOutput", "reference_verify", "verify", "init", "shutdown"]
 __version__ = "0.1.0"

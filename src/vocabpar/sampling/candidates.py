@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vocabpar.sampling.fused import nan_and_ties
+from vocabpar.kernels.fused import nan_and_ties
 from vocabpar.sampling.params import Rows
 from vocabpar.sampling.ranks import Ranks
 from vocabpar.sampling.semantics import NEG_INF, mass_shift

@@ -24,7 +24,7 @@ def threshold(local_histogram: Callable[[int, int, torch.Tensor, int], torch.Ten
     """Per row, the largest key ``v`` with ``sum(weight[keys >= v]) >= need`` over all ranks, for
     this shard's keys (order keys in ``[0, 2**32)``) and weights as ``local_histogram(shift, bits,
     prefix, top)`` counts them (int64 ``[B, top + 1]``, e.g.
-    :func:`~vocabpar.sampling.fused.logit_histogram`); ``need`` ``[B]``, or a function of the
+    :func:`~vocabpar.kernels.fused.logit_histogram`); ``need`` ``[B]``, or a function of the
     rows' total weight (measured by the first round). Three histogram all-reduces of ``rows >= B``
     rows each resolve 11, 11 and 10 bits of ``v``: the same collectives whatever the keys hold."""
     prefix = torch.zeros(B, dtype=torch.long, device=device)

@@ -9,18 +9,23 @@ collective whose count depends on the data. :class:`Sampler` is built for that:
 2. ``prepare(params, positions=...)`` validates on the host and decides the call's
    :class:`~vocabpar.wire.scripts.EnginePlan` from the parameters alone: which filters are
    active, how many candidates round one carries. It computes the fingerprints the check compares.
-3. ``sample`` / ``verify`` / ``token_logprobs`` make no host read. Every message holds
-   ``max_rows`` rows whatever the batch, so the same plan sends the same collectives with the
-   same bytes for any logits (peaked, flat, tied, -inf or +inf rows). The agreement check rides
-   in the first collective.
+3. ``sample`` / ``verify`` / ``token_logprobs`` take this rank's logits in float32, bfloat16 or
+   float16 (upcast inside the call) and make no host read. Every message holds a fixed number
+   of rows whatever the batch, so the same plan sends the same collectives with the same bytes
+   for any logits (peaked, flat, tied, -inf or +inf rows). The agreement check rides in the
+   first collective.
 4. Failures (NaN rows, rows with nothing allowed, bad input on a rank, ranks that disagree) are
-   flags in the output; ``out.raise_if_failed()`` is the one host read, and raises the same
-   ``ValueError`` on every rank. The other rows are exact; the next call works.
+   flags, written with the ids into one int64 device tensor. ``out.to_host()`` copies it to the
+   host once (the copy an engine makes of its sampled ids anyway); the copy's
+   ``raise_if_failed()`` raises the same ``ValueError`` on every rank and reads nothing more.
+   ``out.raise_if_failed()`` on the device output reads the flags alone. The other rows are
+   exact; the next call works.
 
 Collectives per ``sample`` call: greedy 1; sampled rows whose kept set lies in each rank's top-c
 candidates (top-k <= c, or nothing unsent) 2 (round one, the draw); a top-p or large top-k search
 adds 3 histogram all-reduces each; logprobs add 2. Tokens equal
-:func:`~vocabpar.sampling.reference.reference_sample` bit for bit at any world size.
+:func:`~vocabpar.sampling.reference.reference_sample` (on the upcast logits) bit for bit at any
+world size.
 """
 
 from __future__ import annotations
@@ -31,12 +36,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from vocabpar import comm
-from vocabpar.hashing import fingerprint
+from vocabpar.hashing import MASK62, fingerprint
+from vocabpar.kernels.fused import nan_and_ties
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling.candidates import shard_top
-from vocabpar.sampling.failures import Failures
+from vocabpar.sampling.failures import Check, Failures, Packed, rejected_input
 from vocabpar.sampling.fixed import Choice, DraftPairs, padded
-from vocabpar.sampling.fused import nan_and_ties
 from vocabpar.sampling.params import (
     ROW_FIELDS,
     Rows,
@@ -44,8 +49,9 @@ from vocabpar.sampling.params import (
     TokenCounts,
     check_bitmask,
     check_positions,
+    describe,
 )
-from vocabpar.sampling.ranks import group_ranks, params_fact
+from vocabpar.sampling.ranks import group_ranks, param_words, params_fact, row_fingerprints
 from vocabpar.sampling.scoring import TokenLogprobs, local_scores, merged_scores
 from vocabpar.sampling.semantics import (
     NEG_INF,
@@ -55,21 +61,28 @@ from vocabpar.sampling.semantics import (
     processed_logits,
     with_logprobs,
 )
-from vocabpar.wire.records import folded, round_one, score
+from vocabpar.wire.records import INPUT_WORDS, folded, round_one, score
 from vocabpar.wire.scripts import ENGINE_FACTS as FACTS
-from vocabpar.wire.scripts import EnginePlan, engine_plan, engine_sample_script
+from vocabpar.wire.scripts import EnginePlan, engine_plan, engine_sample_script, engine_score_script
 
 SAMPLE_FACTS = ("rows", "plan", "sampling parameters", "logprobs", "positions", "token counts", "bitmask",
                 "draft tokens", "draft logits")
 SCORE_FACTS = ("rows", "top_n", "token ids")
+SCORED = ("tokens", "logprobs", "top_ids", "top_logprobs", "ranks")
+"""The fields of a ``sample`` call's output with logprobs."""
+LIMIT = 2**24
+"""The largest ``max_rows``, ``max_top_n`` and ``max_drafts``."""
 
 
 @dataclass(frozen=True)
 class Batch:
     """A prepared batch of ``B`` rows: its parameters on the device (``rows``), per-row inputs,
     the :class:`EnginePlan` of a ``sample`` call, the fingerprints its check compares (int64
-    ``[FACTS]``), and what calls need from the host: which rows are ``greedy`` and the most top
-    logprobs a row asks (``top_n``)."""
+    ``[FACTS]``; per row, ``row_facts`` of every per-row input of a ``sample`` call, padded to
+    ``max_rows``, and ``row_params`` of the row's sampling parameters and position, padded to
+    ``verify_rows``), and
+    what calls need from the host: which rows are ``greedy`` and the most top logprobs a row
+    asks (``top_n``)."""
 
     rows: Rows
     greedy: tuple[bool, ...]
@@ -79,6 +92,8 @@ class Batch:
     bitmask: torch.Tensor | None
     plan: EnginePlan
     facts: torch.Tensor
+    row_facts: torch.Tensor
+    row_params: torch.Tensor
 
     @property
     def size(self) -> int:
@@ -86,40 +101,61 @@ class Batch:
 
 
 class Sampler:
-    """Samples, verifies and scores this rank's shard of logits for a batch of at most
-    ``max_rows`` rows (``max_top_n``: the most top logprobs a call may ask), with the fixed
-    scripts of :mod:`vocabpar.wire.scripts`. ``check``: fold the agreement check into each
-    call's first collective (it costs words, not collectives)."""
+    """Samples, verifies and scores this rank's shard of logits (float32, bfloat16 or float16,
+    upcast inside the call) for batches of at most ``max_rows`` rows, with the fixed scripts of
+    :mod:`vocabpar.wire.scripts`: every message of ``sample`` and ``token_logprobs`` carries
+    ``max_rows`` rows. ``max_top_n``: the most top logprobs a call may ask.
+
+    ``verify`` stacks ``B·(k+1)`` target rows for ``k`` drafts per row, plus ``k`` draft rows
+    per sampled row when draft logits are given: ``B·(2k+1)`` at most. They must fit its row
+    bound: ``max_rows`` itself, or with ``max_drafts=k`` given ``max_rows·(2k+1)``, which fits
+    any prepared batch verifying up to ``k`` drafts per row (``verify``'s messages then carry
+    that many rows). ``check``: fold the agreement check into each call's first collective (it
+    costs words, not collectives)."""
 
     def __init__(self, layout: VocabLayout, *, max_rows: int, max_top_n: int = 0,
-                 group: comm.ProcessGroup = None, check: bool = True) -> None:
-        for name, value, low in (("max_rows", max_rows, 1), ("max_top_n", max_top_n, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 2**24:
-                raise ValueError(f"{name} must be an int in [{low}, 2**24], got {value!r}")
+                 max_drafts: int | None = None, group: comm.ProcessGroup = None, check: bool = True) -> None:
+        bounds = [("max_rows", max_rows, 1), ("max_top_n", max_top_n, 0)]
+        for name, value, low in bounds + [("max_drafts", max_drafts, 0)] * (max_drafts is not None):
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= LIMIT:
+                raise ValueError(f"{name} must be an int in [{low}, 2**24]"
+                                 + " or None" * (name == "max_drafts") + f", got {value!r}")
         if max_top_n > layout.vocab_size:
             raise ValueError(f"max_top_n must be at most vocab_size={layout.vocab_size}, got {max_top_n}")
         self.layout, self.group, self.max_rows, self.max_top_n = layout, group, max_rows, max_top_n
+        self.max_drafts = max_drafts
+        self.verify_rows = max_rows if max_drafts is None else max_rows * (2 * max_drafts + 1)
+        """The most rows ``verify`` stacks, and the rows its messages carry."""
+        if self.verify_rows > LIMIT:
+            raise ValueError(f"max_rows·(2·max_drafts+1) must be at most 2**24, got {self.verify_rows}")
         self.check = bool(check)
         self.ranks = group_ranks(layout, group)
         if self.ranks.n > 1:
             comm.verify_consistent(group, sampler="vocabpar.Sampler", layout=layout.describe(),
-                                   max_rows=max_rows, max_top_n=max_top_n, check=self.check)
+                                   max_rows=max_rows, max_top_n=max_top_n, max_drafts=max_drafts,
+                                   check=self.check)
         self.padded = bool((self.ranks.ids < 0).any())
         self.widest = min(max(self.ranks.real_counts), layout.vocab_size)
         self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._countdowns: dict[tuple[torch.device, int], torch.Tensor] = {}
+        device = comm.device(group)  # the usual device's constants now, not in a first call
+        self._columns(device)
+        for rows in {max_rows, self.verify_rows}:
+            self._countdown(device, rows)
 
     # ------------------------------------------------------------------ host side
     def prepare(self, params: SamplingParams, *, positions: torch.Tensor,
                 token_counts: TokenCounts | None = None, bitmask: torch.Tensor | None = None,
                 device: torch.device | str | None = None) -> Batch:
-        """Validate a batch (raises ``ValueError`` here, on the host) and plan its calls. The
-        rows' tensors go to ``device`` (default: the group's device)."""
+        """Validate a batch of ``len(positions)`` rows (raises ``ValueError`` here, on the host)
+        and plan its calls. The rows' tensors go to ``device`` (default: the group's device)."""
         device = torch.device(device) if device is not None else comm.device(self.group)
         V = self.layout.vocab_size
         pos = torch.as_tensor(positions)
         if pos.dim() != 1:
             raise ValueError(f"positions must be one integer per row (1-D), got shape {tuple(pos.shape)}")
         B = pos.shape[0]
+        _same_rows(B, params, token_counts, bitmask)
         pos = check_positions(pos, B)
         if B > self.max_rows:
             raise ValueError(f"batch of {B} rows exceeds max_rows={self.max_rows}")
@@ -142,8 +178,10 @@ class Sampler:
                  rows.logprobs if rows.logprobs is not None else -1, pos,
                  torch.cat([t.flatten() for t in seen] + [torch.zeros(0, dtype=torch.long, device=device)]),
                  mask if mask is not None else 0]
+        per_row = seen + [t for t in (rows.logprobs, mask) if t is not None]
+        row_params, row_facts = self._row_facts(rows, pos, per_row)
         return Batch(rows, tuple(host.greedy.tolist()), host.top_n, pos, counts, mask, plan,
-                     self._facts(facts, device))
+                     self._facts(facts, device), row_facts, row_params)
 
     def _plan(self, host: Rows) -> EnginePlan:
         """The script of a ``sample`` call on these (host) parameters."""
@@ -152,13 +190,27 @@ class Sampler:
                            min_p=host.min_p.tolist(), top_n=None if host.logprobs is None else self.max_top_n)
 
     def _facts(self, facts: list[int | torch.Tensor], device: torch.device) -> torch.Tensor:
-        """int64 ``[FACTS]``: ints as they are, tensors by :func:`vocabpar.hashing.fingerprint`
-        (one pass each); zeros when the check is off (the message keeps its size)."""
+        """int64 ``[FACTS]``: ints and 0-dim tensors as they are, other tensors by
+        :func:`vocabpar.hashing.fingerprint` (one pass each); zeros when the check is off (the
+        message keeps its size)."""
         if not self.check:
             return torch.zeros(FACTS, dtype=torch.long, device=device)
-        words = [fingerprint(f).to(device) if isinstance(f, torch.Tensor)
+        words = [(f if not f.dim() else fingerprint(f)).to(device) if isinstance(f, torch.Tensor)
                  else torch.tensor(int(f), device=device) for f in facts]
         return torch.stack(words + [torch.tensor(0, device=device)] * (FACTS - len(words)))
+
+    def _row_facts(self, rows: Rows, positions: torch.Tensor,
+                   seen: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, the fingerprint of its sampling parameters and position (``[verify_rows]``)
+        and of those with every other per-row input in ``seen`` (``[max_rows]``), 0 past the
+        batch; zeros when the check is off."""
+        B = positions.shape[0]
+        if not self.check:
+            zeros = torch.zeros(self.verify_rows, dtype=torch.long, device=positions.device)  # >= max_rows
+            return zeros, zeros[: self.max_rows]
+        core = row_fingerprints(param_words(rows), positions[:, None])
+        every = (core + row_fingerprints(*[t.reshape(B, -1) for t in seen])) & MASK62 if seen else core
+        return padded(core, self.verify_rows), padded(every, self.max_rows)
 
     def _columns(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's column ids and realness on ``device`` (cached)."""
@@ -167,59 +219,86 @@ class Sampler:
             self._on_device[device] = ids, ids >= 0
         return self._on_device[device]
 
+    def _countdown(self, device: torch.device, rows: int) -> torch.Tensor:
+        """int64 ``rows, ..., 1`` on ``device`` (cached): :meth:`Check.of`'s row weights."""
+        if (device, rows) not in self._countdowns:
+            self._countdowns[device, rows] = torch.arange(rows, 0, -1, device=device)
+        return self._countdowns[device, rows]
+
     # ------------------------------------------------------------------ device side
     def sample(self, local_logits: torch.Tensor, batch: Batch) -> SampleOutput:
-        """One token per row of this rank's FP32 shard ``[B, columns]``; every rank returns the
-        same :class:`SampleOutput` (failed rows hold -1), with ``script`` the plan's script and
-        ``failures`` the flags. No host read."""
-        fine = _fine(batch.positions.device)
-        choice = self._choose(local_logits, batch.rows, batch.positions, batch.plan, batch.facts, fine,
-                              batch.token_counts, batch.bitmask)
-        tokens, failures = choice.tokens, choice.failures("Sampler.sample", SAMPLE_FACTS)
-        result = SampleOutput(tokens)
+        """One token per row of this rank's shard ``[B, columns]`` (float32, bfloat16 or
+        float16); every rank returns the same :class:`SampleOutput` (failed rows hold -1), with
+        ``script`` the plan's script, ``failures`` the flags and ``tokens`` a view of the one
+        int64 tensor (``packed``) that holds the ids and the flags. No host read."""
+        device = batch.positions.device
+        shape = (batch.size, self.ranks.ids.numel())
+        (raw,), problem, rejected = self._inputs(device, (local_logits, shape, 1))
+        choice = self._choose(raw, batch.rows, batch.positions, batch.plan, batch.facts, batch.row_facts,
+                              problem, rejected, batch.token_counts, batch.bitmask)
+        tokens = choice.tokens
+        fields = {"tokens": tokens}
         if batch.plan.top_n is not None:
             source = choice.raw if batch.rows.logprobs_of == "raw" else choice.drawn_from()
             scores = self._score(source, tokens.clamp(min=0), batch.plan.top_n)
             n = batch.top_n
-            result = with_logprobs(tokens, batch.rows.logprobs, scores.logprobs, scores.ranks,
-                                   scores.top_ids[:, :n], scores.top_logprobs[:, :n])
-        return replace(result, script=engine_sample_script(batch.plan), failures=failures)
+            out = with_logprobs(tokens, batch.rows.logprobs, scores.logprobs, scores.ranks,
+                                scores.top_ids[:, :n], scores.top_logprobs[:, :n])
+            fields = {name: getattr(out, name) for name in SCORED}
+        views, failures, packed = self._pack("Sampler.sample", fields, choice.codes, choice.check,
+                                             SAMPLE_FACTS)
+        return SampleOutput(**views, script=engine_sample_script(batch.plan), failures=failures,
+                            packed=packed)
 
     def verify(self, target_logits: torch.Tensor, batch: Batch, draft_tokens: torch.Tensor,
                draft_logits: torch.Tensor | None = None) -> VerifyOutput:
         """:func:`~vocabpar.sampling.verify.verify` for a prepared batch: ``draft_tokens`` int64
         ``[B, k]``, this rank's target logits ``[B, k+1, columns]`` and optionally the draft's
-        ``[B, k, columns]``. The stacked rows (``B·(k+1)``, plus ``k`` per sampled row with draft
-        logits) must fit ``max_rows``. No host read; failures are flags."""
-        B, k, device = batch.size, draft_tokens.shape[1], batch.positions.device
-        R = self.ranks.ids.numel()
+        ``[B, k, columns]`` (float32, bfloat16 or float16). The stacked rows -- ``B·(k+1)``, plus
+        ``k`` per sampled row with draft logits: ``B·(2k+1)`` at most -- must fit
+        :attr:`verify_rows` (``max_rows``, or ``max_rows·(2·max_drafts+1)``); else
+        ``ValueError`` naming them. ``accepted`` and ``tokens`` are views of ``packed``. No host
+        read; failures are flags."""
+        B, device, V = batch.size, batch.positions.device, self.layout.vocab_size
+        if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dtype != torch.long \
+                or draft_tokens.dim() != 2 or draft_tokens.shape[0] != B:
+            raise ValueError(f"Sampler.verify: draft_tokens must be int64 [{B}, k] (k drafts per row of the "
+                             f"batch), got {describe(draft_tokens)}")
+        k, R = draft_tokens.shape[1], self.ranks.ids.numel()
         weigh = draft_logits is not None and k > 0
         drafted = [b for b in range(B) if weigh and not batch.greedy[b]]
         stacked = B * (k + 1) + len(drafted) * k
-        if stacked > self.max_rows:
-            raise ValueError(f"verify stacks {stacked} rows (B={B}, k={k}) but max_rows={self.max_rows}")
+        if stacked > self.verify_rows:
+            raise ValueError(self._too_many_rows(B, k, draft_logits is not None, len(drafted), stacked))
         index = [b for b in range(B) for _ in range(k + 1)] + [b for b in drafted for _ in range(k)]
         offset = [i for _ in range(B) for i in range(k + 1)] + [i for _ in drafted for i in range(k)]
         at = torch.tensor(index, dtype=torch.long, device=device)
-        target, problem = self._checked_logits(target_logits, device, (B, k + 1, R))
-        raw = target.reshape(B * (k + 1), R)
+        given = [(target_logits, (B, k + 1, R), 5)] + [(draft_logits, (B, k, R), 6)] * bool(drafted)
+        logits, problem, rejected = self._inputs(device, *given)
+        raw = logits[0].reshape(B * (k + 1), R)
         if drafted:
-            draft, draft_problem = self._checked_logits(draft_logits, device, (B, k, R))
-            problem = _problem(_problem(problem, draft_problem[:1] != 0, 1), draft.isposinf().any(-1), 4)
+            draft = logits[1]
+            problem = _problem(problem, draft.isposinf().any(-1), 4)
             raw = torch.cat([raw, draft[torch.tensor(drafted, device=device)].reshape(len(drafted) * k, R)])
-        problem = _problem(problem, (draft_tokens < 0) | (draft_tokens >= self.layout.vocab_size), 2)
-        drafts = draft_tokens.clamp(0, self.layout.vocab_size - 1)
+        problem = _problem(problem, (draft_tokens < 0) | (draft_tokens >= V), 2)
+        drafts = draft_tokens.clamp(0, V - 1)
         rows = batch.rows.take(at)
         positions = batch.positions[at] + torch.tensor(offset, dtype=torch.long, device=device)
-        plan = replace(batch.plan, top_n=None, drafts=bool(drafted))  # the stacked rows repeat the batch's
-        facts = self._facts([stacked, _crc(repr(plan)), params_fact(rows), -1, positions, 0, 0, draft_tokens,
+        # the stacked rows repeat the batch's plan, in messages of verify_rows rows
+        plan = replace(batch.plan, rows=self.verify_rows, top_n=None, drafts=bool(drafted))
+        draft_fact, row_facts = 0, batch.row_params
+        if self.check:
+            draft_rows = row_fingerprints(draft_tokens)
+            draft_fact = draft_rows.sum() & MASK62
+            row_facts = (row_facts + padded(draft_rows, plan.rows)) & MASK62
+        facts = self._facts([stacked, _crc(repr(plan)), params_fact(rows), -1, positions, 0, 0, draft_fact,
                              int(bool(drafted))], device)
-        choice = self._choose(raw, rows, positions, plan, facts, problem)
+        choice = self._choose(raw, rows, positions, plan, facts, row_facts, problem, rejected)
         drawn = choice.tokens[: B * (k + 1)].view(B, k + 1)
         accept = drafts == drawn[:, :k]
         pairs = None
         if drafted:
-            pairs = DraftPairs(self.ranks, self.layout, self.max_rows, choice, batch.rows, batch.positions,
+            pairs = DraftPairs(self.ranks, self.layout, plan.rows, choice, batch.rows, batch.positions,
                                drafts, drafted)
             accept = torch.where(pairs.weighed, pairs.accept, accept)
         accepted = accept.long().cumprod(1).sum(1)
@@ -227,52 +306,92 @@ class Sampler:
         if pairs is not None:
             last = pairs.correct(last, accepted)
         codes = torch.zeros(B, dtype=torch.long, device=device).scatter_reduce(0, at, choice.codes, "amax")
-        failures = replace(choice.failures("Sampler.verify", SAMPLE_FACTS), rows=codes)
-        failed = failures.failed()
+        failed = (codes != 0) | choice.check.failed()
         accepted = torch.where(failed, 0, accepted)
         keep = torch.arange(k + 1, device=device) < accepted[:, None]
         tokens = torch.where(keep[:, :k], drafts, -1)
         tokens = torch.cat([tokens, torch.full((B, 1), -1, dtype=torch.long, device=device)], 1)
         tokens.scatter_(1, accepted[:, None], torch.where(failed, -1, last)[:, None])
-        return VerifyOutput(accepted, tokens, engine_sample_script(plan), failures)
+        views, failures, packed = self._pack("Sampler.verify", {"accepted": accepted, "tokens": tokens},
+                                             codes, choice.check, SAMPLE_FACTS)
+        return VerifyOutput(**views, script=engine_sample_script(plan), failures=failures, packed=packed)
+
+    def _too_many_rows(self, B: int, k: int, with_logits: bool, sampled: int, stacked: int) -> str:
+        """The error of a verification whose stacked rows exceed :attr:`verify_rows`."""
+        rows = f"{B}·({k}+1) target rows" + (f" + {sampled}·{k} draft rows" if sampled else "")
+        bound = f"max_rows={self.max_rows}" if self.max_drafts is None else (
+            f"max_rows·(2·max_drafts+1) = {self.verify_rows} (max_rows={self.max_rows}, "
+            f"max_drafts={self.max_drafts})")
+        need = B * (2 * k + 1) if with_logits else B * (k + 1)
+        return (f"Sampler.verify: B={B} rows with k={k} drafts {'and' if with_logits else 'without'} draft "
+                f"logits stack {rows} = {stacked} rows, more than {bound}; verify needs B·(k+1) rows, "
+                f"B·(2k+1) with draft logits: build the Sampler with max_rows >= {need}, or with "
+                f"max_rows={B} and max_drafts={k}")
 
     def token_logprobs(self, local_logits: torch.Tensor, token_ids: torch.Tensor, *,
                        top_n: int = 0) -> TokenLogprobs:
         """Logprobs, ranks and top-``top_n`` of ``token_ids`` (int64 ``[T]``, ``T <= max_rows``)
-        under this rank's FP32 raw logits ``[T, columns]``: :func:`token_logprobs` with the check
-        folded into its first collective (so two collectives) and failures as flags. No host read."""
+        under this rank's raw logits ``[T, columns]`` (float32, bfloat16 or float16):
+        :func:`token_logprobs` with the check folded into its first collective (so two
+        collectives, ``script``) and failures as flags; ``ranks`` and ``top_ids`` are views of
+        ``packed``. No host read."""
         if isinstance(top_n, bool) or not isinstance(top_n, int) or not 0 <= top_n <= self.max_top_n:
             raise ValueError(f"top_n must be an int in [0, max_top_n={self.max_top_n}], got {top_n!r}")
+        if not isinstance(token_ids, torch.Tensor) or token_ids.dtype != torch.long or token_ids.dim() != 1:
+            raise ValueError(f"Sampler.token_logprobs: token_ids must be int64 [T], got "
+                             f"{describe(token_ids)}")
         T, device, V = token_ids.shape[0], token_ids.device, self.layout.vocab_size
         if T > self.max_rows:
-            raise ValueError(f"{T} rows exceed max_rows={self.max_rows}")
-        logits, problem = self._checked_logits(local_logits, device, (T, self.ranks.ids.numel()))
+            raise ValueError(f"Sampler.token_logprobs: {T} rows exceed max_rows={self.max_rows}")
+        (logits,), problem, rejected = self._inputs(device, (local_logits, (T, self.ranks.ids.numel()), 1))
         problem = _problem(problem, (token_ids < 0) | (token_ids >= V), 3)
-        facts = self._facts([T, top_n, token_ids], device)
+        id_fact, row_facts = 0, torch.zeros(T, dtype=torch.long, device=device)
+        if self.check:
+            row_facts = row_fingerprints(token_ids[:, None])
+            id_fact = row_facts.sum() & MASK62
+        facts = self._facts([T, top_n, id_fact], device)
         ids, _ = self._columns(device)
         record, per_row = folded(score(top_n), self.max_rows, FACTS), score(top_n)
         stats = local_scores(logits, ids, self.layout, self.ranks.me, token_ids.clamp(0, V - 1), top_n)
         stats = padded(stats, self.max_rows).reshape(1, -1)
-        message = record.pack(rows=stats, problem=problem[:1], row=problem[1:], facts=facts[None])
+        message = record.pack(rows=stats, problem=problem[:1], row=problem[1:], input=rejected[None],
+                              facts=facts[None], row_facts=padded(row_facts, self.max_rows)[None])
         got = record.unpack(self.ranks.gather(message)[:, 0])
         scores = per_row.unpack(got.rows.view(self.ranks.n, self.max_rows, -1)[:, :T])
         out = merged_scores(logits, ids, scores, self._sum_rows)
-        disagree = (got.facts != got.facts[:1]).any(0)[: len(SCORE_FACTS)]
-        fine_rows = torch.zeros(T, dtype=torch.long, device=device)
-        failures = Failures("Sampler.token_logprobs", fine_rows, got.problem, got.row, disagree, SCORE_FACTS)
-        return replace(out, failures=failures)
+        check = Check.of(got, self._countdown(device, self.max_rows))
+        fields = {name: getattr(out, name) for name in ("logprobs", "ranks", "top_ids", "top_logprobs")}
+        fine = torch.zeros(T, dtype=torch.long, device=device)  # a row's NaN is its logprob, not a failure
+        views, failures, packed = self._pack("Sampler.token_logprobs", fields, fine, check, SCORE_FACTS)
+        script = engine_score_script(self.max_rows, top_n, FACTS)
+        return TokenLogprobs(**views, script=script, failures=failures, packed=packed)
 
     # ------------------------------------------------------------------ steps
-    def _checked_logits(self, logits: object, device: torch.device,
-                        shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``logits`` and a fine (code, row) when they are float32 of ``shape`` on ``device``;
-        else zeros in their place and problem code 1 (the call still sends its collectives, so
-        no rank waits forever). Shapes, dtypes and devices are host metadata: no read."""
-        ok = isinstance(logits, torch.Tensor) and logits.dtype == torch.float32 \
-            and tuple(logits.shape) == shape and logits.device == device
-        if ok:
-            return logits, _fine(device)
-        return torch.zeros(shape, device=device), torch.tensor([1, -1], device=device)
+    def _inputs(self, device: torch.device, *given: tuple[object, tuple[int, ...], int]
+                ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """Each given ``(logits, shape, code)`` as float32 -- zeros of ``shape`` in place of one
+        :func:`~vocabpar.sampling.failures.rejected_input` rejects, so the call still sends its
+        collectives and no rank waits forever -- with this rank's (problem code, row) and the
+        first rejected input's words (problem ``code``). Dtypes, shapes and devices are host
+        metadata: no read."""
+        out, problems = [], []
+        for value, shape, code in given:
+            words = rejected_input(value, shape, device)
+            out.append(value.float() if words is None else torch.zeros(shape, device=device))
+            problems += [] if words is None else [(code, words)]
+        code, words = problems[0] if problems else (0, [0] * INPUT_WORDS)
+        head = torch.tensor([code, -1, *words], device=device)
+        return out, head[:2], head[2:]
+
+    def _pack(self, where: str, fields: dict[str, torch.Tensor], codes: torch.Tensor, check: Check,
+              names: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], Failures, Packed]:
+        """``fields`` and the flags in one int64 tensor: the fields (int64 ones as its views), the
+        call's :class:`Failures` and the :class:`Packed` words."""
+        packed = Packed.of({**fields, "flags": check.flags(codes)})
+        views = packed.on_device(fields)
+        failures = Failures(where, packed.words[packed.span("flags")], codes.numel(), self.ranks.n, names,
+                            FACTS, self.layout.vocab_size, check.rows)
+        return views, failures, packed
 
     def _sum_rows(self, t: torch.Tensor) -> torch.Tensor:
         """All-reduce ``t`` ``[T, words]`` as ``max_rows`` rows (the fixed size), back to ``[T, words]``."""
@@ -286,16 +405,15 @@ class Sampler:
         got = score(top_n).unpack(self.ranks.gather(stats)[:, :B])
         return merged_scores(source, ids, got, self._sum_rows)
 
-    def _choose(self, local_logits: torch.Tensor, rows: Rows, positions: torch.Tensor, plan: EnginePlan,
-                facts: torch.Tensor, problem: torch.Tensor, token_counts: TokenCounts | None = None,
-                bitmask: torch.Tensor | None = None) -> Choice:
-        """Round one (carrying the check), thresholds and the draw on ``B`` rows, with the
-        collectives of ``plan`` and no host read. ``problem``: this rank's (code, row) so far."""
+    def _choose(self, raw: torch.Tensor, rows: Rows, positions: torch.Tensor, plan: EnginePlan,
+                facts: torch.Tensor, row_facts: torch.Tensor, problem: torch.Tensor, rejected: torch.Tensor,
+                token_counts: TokenCounts | None = None, bitmask: torch.Tensor | None = None) -> Choice:
+        """Round one (carrying the check: ``facts``, ``row_facts`` ``[plan.rows]``, this rank's
+        (code, row) ``problem`` and ``rejected`` input words), thresholds and the draw on the
+        ``B`` rows of float32 ``raw``, with the collectives of ``plan`` and no host read."""
         device, B, V = positions.device, positions.shape[0], self.layout.vocab_size
         n, M = self.ranks.n, plan.rows
         ids, real = self._columns(device)
-        raw, logits_problem = self._checked_logits(local_logits, device, (B, ids.numel()))
-        problem = torch.where(problem[0] != 0, problem, logits_problem)
         penalty = None
         if token_counts is not None:
             cols, owned = self.layout.local_ids(token_counts.ids, self.ranks.me)
@@ -318,23 +436,33 @@ class Sampler:
                                     values=cand, ids=cand_id, ties=ties), M)
         first_message = folded(record, M, FACTS)
         message = first_message.pack(rows=local.reshape(1, -1), problem=problem[:1], row=problem[1:],
-                                     facts=facts[None])
+                                     input=rejected[None], facts=facts[None], row_facts=row_facts[None])
         got = first_message.unpack(self.ranks.gather(message)[:, 0])
         first = record.unpack(got.rows.view(n, M, -1)[:, :B])
-        check = (got.problem, got.row, (got.facts != got.facts[:1]).any(0))
         best, tokens = merge_argmax(torch.where(first.max.isnan(), NEG_INF, first.max), first.max_id)
         nan_rows = first.max.isnan().any(0)
         codes = torch.where(nan_rows, 1, torch.where(best == NEG_INF, 2, 0))
         sampled = ~rows.greedy & (best < float("inf")) & (codes == 0)
+        check = Check.of(got, self._countdown(device, M))
         choice = Choice(raw, x, ids, real, tokens, sampled, codes, check, V)
         if c == 0:
             return choice.settle(tokens)
         return choice.sample(self.ranks, rows, positions, plan, first, best)
 
 
-def _fine(device: torch.device) -> torch.Tensor:
-    """A rank's (problem code, row) when its input is fine."""
-    return torch.tensor([0, -1], device=device)
+def _same_rows(B: int, params: SamplingParams, token_counts: TokenCounts | None,
+               bitmask: torch.Tensor | None) -> None:
+    """Raise ``ValueError`` naming each per-row argument whose length is not ``positions``' ``B``."""
+    lengths = params.row_counts()
+    if isinstance(token_counts, TokenCounts) and isinstance(token_counts.ids, torch.Tensor) \
+            and token_counts.ids.dim():
+        lengths["token_counts"] = token_counts.ids.shape[0]
+    if isinstance(bitmask, torch.Tensor) and bitmask.dim():
+        lengths["bitmask"] = bitmask.shape[0]
+    wrong = [f"{name} has {n}" for name, n in lengths.items() if n != B]
+    if wrong:
+        raise ValueError(f"positions has {B} rows but {' and '.join(wrong)}: every per-row argument needs "
+                         f"one value per row (positions sets the batch)")
 
 
 def _problem(problem: torch.Tensor, bad: torch.Tensor, code: int) -> torch.Tensor:

@@ -15,10 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
-from vocabpar.layout import VocabLayout
-from vocabpar.sampling.dense import threshold
-from vocabpar.sampling.failures import Failures
-from vocabpar.sampling.fused import (
+from vocabpar.kernels.fused import (
     accept_uniforms,
     best_kept,
     int32_sums,
@@ -28,6 +25,9 @@ from vocabpar.sampling.fused import (
     residual,
     sample_keys,
 )
+from vocabpar.layout import VocabLayout
+from vocabpar.sampling.dense import threshold
+from vocabpar.sampling.failures import Check
 from vocabpar.sampling.params import Rows
 from vocabpar.sampling.ranks import Ranks
 from vocabpar.sampling.semantics import (
@@ -60,8 +60,8 @@ def padded(t: torch.Tensor, rows: int) -> torch.Tensor:
 class Choice:
     """A call's state after round one: this shard's ``raw`` and processed logits ``x`` ``[B,
     R]``, the columns' ``ids`` and ``real`` mask, the tokens so far, which rows are ``sampled``,
-    the per-row failure ``codes`` and the folded ``check`` (problems and rows per rank, facts
-    that differ). :meth:`sample` fills in the temperature, min-p bound and thresholds."""
+    the per-row failure ``codes`` and the folded :class:`~vocabpar.sampling.failures.Check`.
+    :meth:`sample` fills in the temperature, min-p bound and thresholds."""
 
     raw: torch.Tensor
     x: torch.Tensor
@@ -70,16 +70,12 @@ class Choice:
     tokens: torch.Tensor
     sampled: torch.Tensor
     codes: torch.Tensor
-    check: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    check: Check
     vocab: int
     temperature: torch.Tensor | None = None
     z_max: torch.Tensor | None = None
     min_z: torch.Tensor | None = None
     thr: torch.Tensor | None = None
-
-    def failures(self, where: str, names: tuple[str, ...]) -> Failures:
-        problems, rows, disagree = self.check
-        return Failures(where, self.codes, problems, rows, disagree[: len(names)], names)
 
     def settle(self, tokens: torch.Tensor) -> Choice:
         """Final tokens: -1 for failed rows."""
@@ -107,7 +103,7 @@ class Choice:
         return mass_totals(x, *rest), masses(x.gather(1, cols[:, None]), *rest)[:, 0]
 
     def _mass_inputs(self, sel: torch.Tensor) -> tuple:
-        """The :func:`~vocabpar.sampling.fused.masses` arguments of the kept tokens of rows ``sel``."""
+        """The :func:`~vocabpar.kernels.fused.masses` arguments of the kept tokens of rows ``sel``."""
         return (self.x[sel], self.thr[sel].double(), self.temperature[sel], self.min_z[sel], self.z_max[sel],
                 mass_shift(self.vocab))
 

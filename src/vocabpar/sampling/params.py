@@ -130,6 +130,12 @@ class SamplingParams:
         return Rows(**cols, logprobs=self._logprob_counts(batch, vocab_size), logprobs_of=self.logprobs_of,
                     filter_order=self.filter_order)
 
+    def row_counts(self) -> dict[str, int]:
+        """How many values each field given per row (a list or a 1-D tensor) holds, by name."""
+        given = {name: getattr(self, name) for name in [*ROW_FIELDS, "logprobs"]}
+        return {name: len(value) for name, value in given.items()
+                if isinstance(value, (list, tuple)) or getattr(value, "ndim", 0) == 1}
+
     def with_row_seeds(self, batch: int) -> SamplingParams:
         """These parameters with a scalar seed replaced by its ``batch`` per-row seeds, so that
         any subset of the rows samples exactly as it would within the whole batch."""
@@ -354,13 +360,18 @@ def _logits_hint(logits: object, columns: int | None, vocab_size: int | None) ->
         return ""
     width = logits.shape[1]
     if columns is not None and width != columns:
-        if width == vocab_size:
-            return (f": these are full rows of the vocabulary ({vocab_size} ids) but the layout gives this "
-                    f"rank {columns} columns; pass this rank's shard (compute_logits(strategy='none')) or "
-                    f"sample full rows with reference_sample")
-        return (f": the layout gives this rank {columns} columns of a {vocab_size}-id vocabulary; build it "
-                f"with the model's vocabulary size and this group's world size")
+        return shard_hint(width, columns, vocab_size, "this rank")
     return f": convert them with .float() (from {logits.dtype})" if logits.dtype != torch.float32 else ""
+
+
+def shard_hint(width: int, columns: int, vocab_size: int, who: str) -> str:
+    """Why logits ``width`` wide do not fit ``who``'s ``columns`` columns of the layout, and the fix."""
+    if width == vocab_size:
+        return (f": these are full rows of the vocabulary ({vocab_size} ids) but the layout gives {who} "
+                f"{columns} columns; pass {'this' if who == 'this rank' else 'each'} rank's shard "
+                f"(compute_logits(strategy='none')) or sample full rows with reference_sample")
+    return (f": the layout gives {who} {columns} columns of a {vocab_size}-id vocabulary; build it "
+            f"with the model's vocabulary size and this group's world size")
 
 
 def describe(t: object) -> str:

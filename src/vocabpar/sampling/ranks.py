@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from vocabpar import comm
+from vocabpar.hashing import M32, MASK62, fmix32
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling.params import ROW_FIELDS, Rows
 
@@ -56,6 +57,33 @@ def agreed(where: str, layout: VocabLayout, group: comm.ProcessGroup,
 def params_fact(rows: Rows) -> torch.Tensor:
     """The per-row sampling parameters as one int64 tensor, field after field, for the agreement
     check; a disagreement names the fields that differ (:func:`vocabpar.comm.with_parts`)."""
-    return comm.with_parts(torch.cat([getattr(rows, name).double().view(torch.long) if dtype.is_floating_point
-                                      else getattr(rows, name) for name, dtype in ROW_FIELDS.items()]),
-                           list(ROW_FIELDS))
+    return comm.with_parts(torch.cat(_param_fields(rows)), list(ROW_FIELDS))
+
+
+def param_words(rows: Rows) -> torch.Tensor:
+    """int64 ``[B, fields]``: each row's sampling parameters (a float as its float64 bits)."""
+    return torch.stack(_param_fields(rows), 1)
+
+
+def _param_fields(rows: Rows) -> list[torch.Tensor]:
+    """Each per-row field as int64 ``[B]`` (a float as its float64 bits)."""
+    return [getattr(rows, name).double().view(torch.long) if dtype.is_floating_point else getattr(rows, name)
+            for name, dtype in ROW_FIELDS.items()]
+
+
+def row_fingerprints(*parts: torch.Tensor) -> torch.Tensor:
+    """int64 ``[B]``: per row, a hash of that row of every part (each ``[B, ...]``, any dtype;
+    its 32-bit words mixed with their positions, as :func:`vocabpar.hashing.fingerprint` mixes a
+    tensor's): rows that differ anywhere differ with probability ~1 - 2**-32. No host read."""
+    words = torch.cat([_int32_words(p) for p in parts], 1).long() & M32
+    where = fmix32(torch.arange(words.shape[1], device=words.device))
+    return fmix32(words ^ where).sum(1) & MASK62
+
+
+def _int32_words(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``[B, ...]`` as int32 ``[B, words]``: its bytes where they make 32-bit words, else
+    its values."""
+    flat = t.reshape(t.shape[0], -1)
+    if flat.dtype.itemsize in (4, 8) and flat.dtype != torch.bool:
+        return flat.contiguous().view(torch.int32)
+    return flat.int()

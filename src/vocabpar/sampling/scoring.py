@@ -17,48 +17,52 @@ Rows are processed locally in blocks of ``ROW_BLOCK`` so the float64 temporaries
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
 
 from vocabpar import comm
+from vocabpar.kernels.fused import rank_keys
 from vocabpar.layout import VocabLayout
-from vocabpar.sampling.failures import Failures
-from vocabpar.sampling.fused import rank_keys
+from vocabpar.sampling.failures import EngineResult, Failures, Packed
 from vocabpar.sampling.semantics import NEG_INF, rank_key
 from vocabpar.wire.records import LARGER, score
+from vocabpar.wire.scripts import Script
 
 ROW_BLOCK = 16  # rows per local block: float64 temporaries of 16 x V/n stay small (~4 MB at V/n = 32k)
 
 
 @dataclass(frozen=True)
-class TokenLogprobs:
+class TokenLogprobs(EngineResult):
     """Per scored row: ``logprobs`` (float32 ``[T]``, log-softmax of the full row at the token),
     ``ranks`` (int64 ``[T]``, 1 + number of tokens with a strictly larger logit), ``top_ids``
     (int64 ``[T, top_n]``, descending, lowest id first on ties) and ``top_logprobs``
     (float32 ``[T, top_n]``). Identical on every rank. A row holding NaN or +inf logits gets
-    NaN logprobs, as ``torch.log_softmax`` gives. ``failures``: an engine call's flags."""
+    NaN logprobs, as ``torch.log_softmax`` gives. ``script``: the collectives an engine call made,
+    in order (:func:`vocabpar.wire.scripts.price` gives their bytes; empty otherwise).
+    ``failures``: an engine call's flags; ``packed``: the int64 device tensor holding an engine
+    call's results and flags (its ids are views of it; :meth:`to_host` copies it once)."""
 
     logprobs: torch.Tensor
     ranks: torch.Tensor
     top_ids: torch.Tensor
     top_logprobs: torch.Tensor
+    script: Script = ()
     failures: Failures | None = None
+    packed: Packed | None = field(default=None, repr=False, compare=False)
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> TokenLogprobs:
-        """The same fields with ``fn`` applied to each (indexing, reshaping: dim 0 is the row)."""
-        return TokenLogprobs(*(fn(getattr(self, name)) for name in _TENSORS))
+        """The same fields with ``fn`` applied to each (indexing, reshaping: dim 0 is the row), from
+        the same collectives (``script``)."""
+        return TokenLogprobs(*(fn(getattr(self, name)) for name in _TENSORS), script=self.script)
 
     @staticmethod
     def concat(parts: Sequence[TokenLogprobs]) -> TokenLogprobs:
-        """Rows of ``parts`` one after the other (at least one part)."""
-        return TokenLogprobs(*(torch.cat([getattr(p, name) for p in parts]) for name in _TENSORS))
-
-    def raise_if_failed(self) -> None:
-        """Raise the engine call's failures (the same ``ValueError`` on every rank), if any."""
-        if self.failures is not None:
-            self.failures.raise_if_failed()
+        """Rows of ``parts`` one after the other (at least one part), from the collectives of every
+        part in order (``script``)."""
+        return TokenLogprobs(*(torch.cat([getattr(p, name) for p in parts]) for name in _TENSORS),
+                             script=sum((p.script for p in parts), ()))
 
 
 _TENSORS = ("logprobs", "ranks", "top_ids", "top_logprobs")

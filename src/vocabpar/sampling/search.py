@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vocabpar.sampling.fused import digits, histogram, int32_sums, members, order_keys, reachable, scored
+from vocabpar.kernels.fused import digits, histogram, int32_sums, members, order_keys, reachable, scored
 from vocabpar.sampling.noise import gumbel_bound
 from vocabpar.sampling.ranks import Ranks
 from vocabpar.sampling.semantics import NEG_INF, key_value, merge_argmax, row_argmax, threshold_digit
@@ -242,7 +242,7 @@ def _histogram_round(tokens, r, bits, shift, prefix, above, total, need, ranks: 
     (and, in the first round, of everything above the bucket); keep the digit holding the
     threshold. ``tokens``: the keys and weights ``[N]`` of listed tokens of rows ``r``, or (``r``
     None) the shard as :func:`threshold_search` takes it, ``(x, real, weight)``, with ``narrow``
-    its weights' :func:`~vocabpar.sampling.fused.int32_sums`. Returns the narrowed (shift, prefix,
+    its weights' :func:`~vocabpar.kernels.fused.int32_sums`. Returns the narrowed (shift, prefix,
     above), the total and ``need`` once known, and which listed tokens stay in the bucket (None
     for the whole shard)."""
     F = prefix.shape[0]

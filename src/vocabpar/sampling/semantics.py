@@ -12,13 +12,14 @@ depends on summation order (each rank sums its part, an integer all-reduce merge
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from vocabpar import exactmath
-from vocabpar.sampling.failures import Failures
+from vocabpar.sampling.failures import EngineResult, Failures, Packed
 from vocabpar.sampling.noise import gumbel, row_keys, uniform
 from vocabpar.sampling.params import Rows, TokenCounts
 from vocabpar.wire.scripts import Script
@@ -28,28 +29,40 @@ PAD_KEY = -(2**31)  # below the key of -inf: padding sorts after every real toke
 
 
 @dataclass(frozen=True)
-class SampleOutput:
-    """``tokens`` (int64 ``[B]``), identical on every rank. With ``logprobs``: the chosen token's
-    log-probability (float32 ``[B]``) and rank (int64 ``[B]``, 1 + tokens with a strictly larger
-    logit), and the top-n ids / logprobs (``[B, n]``, n the largest count asked, sorted by value,
-    ties by lowest id), from the log-softmax of the raw or processed logits (``logprobs_of``).
-    Rows that asked fewer have id -1 and logprob NaN past their count; rows that asked none have
-    NaN / rank -1 too. ``script``: the collectives the call made, in order
-    (:func:`vocabpar.wire.scripts.price` gives their bytes; empty from the reference).
-    ``failures``: an engine call's flags (:meth:`raise_if_failed`)."""
+class SampleOutput(EngineResult):
+    """``tokens`` (int64 ``[B]``), identical on every rank. With ``logprobs`` asked: the chosen
+    token's log-probability (``logprobs``, float32 ``[B]``) and rank (``ranks``, int64 ``[B]``,
+    1 + tokens with a strictly larger logit), and the top-n ids / logprobs (``[B, n]``, n the
+    largest count asked, sorted by value, ties by lowest id), from the log-softmax of the raw or
+    processed logits (``logprobs_of``). Rows that asked fewer have id -1 and logprob NaN past their
+    count; rows that asked none have NaN / rank -1 too. ``script``: the collectives the call made,
+    in order (:func:`vocabpar.wire.scripts.price` gives their bytes; empty from the reference).
+    ``failures``: an engine call's flags (:meth:`raise_if_failed`); ``packed``: the one int64
+    device tensor an engine call wrote its ids and flags into (``tokens`` is a view of it;
+    :meth:`to_host` copies it once)."""
 
     tokens: torch.Tensor
-    logprob: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
-    rank: torch.Tensor | None = None
+    ranks: torch.Tensor | None = None
     script: Script = ()
     failures: Failures | None = None
+    packed: Packed | None = field(default=None, repr=False, compare=False)
 
-    def raise_if_failed(self) -> None:
-        """Raise the engine call's failures (the same ``ValueError`` on every rank), if any."""
-        if self.failures is not None:
-            self.failures.raise_if_failed()
+    @property
+    def logprob(self) -> torch.Tensor | None:
+        """Deprecated name of :attr:`logprobs`."""
+        warnings.warn("SampleOutput.logprob is deprecated: use SampleOutput.logprobs", DeprecationWarning,
+                      stacklevel=2)
+        return self.logprobs
+
+    @property
+    def rank(self) -> torch.Tensor | None:
+        """Deprecated name of :attr:`ranks`."""
+        warnings.warn("SampleOutput.rank is deprecated: use SampleOutput.ranks", DeprecationWarning,
+                      stacklevel=2)
+        return self.ranks
 
     def top(self, row: int) -> list[tuple[int, float]]:
         """Row ``row``'s top list as (id, logprob) pairs, as long as the row asked."""
@@ -58,35 +71,32 @@ class SampleOutput:
 
 
 @dataclass(frozen=True)
-class VerifyOutput:
+class VerifyOutput(EngineResult):
     """``accepted`` (int64 ``[B]``, 0..k): how many leading drafts each row kept; ``tokens`` (int64
     ``[B, k+1]``): those drafts, then the correction or the bonus token, then -1. ``script``:
     the collectives the call made, in order (empty from the reference). ``failures``: an engine
-    call's flags."""
+    call's flags; ``packed``: the int64 device tensor holding an engine call's ids and flags
+    (``accepted`` and ``tokens`` are views of it; :meth:`to_host` copies it once)."""
 
     accepted: torch.Tensor
     tokens: torch.Tensor
     script: Script = ()
     failures: Failures | None = None
-
-    def raise_if_failed(self) -> None:
-        """Raise the engine call's failures (the same ``ValueError`` on every rank), if any."""
-        if self.failures is not None:
-            self.failures.raise_if_failed()
+    packed: Packed | None = field(default=None, repr=False, compare=False)
 
     def emitted(self, row: int) -> list[int]:
         """The tokens row ``row`` emits this step (``accepted + 1`` of them)."""
         return self.tokens[row, : int(self.accepted[row]) + 1].tolist()
 
 
-def with_logprobs(tokens: torch.Tensor, counts: torch.Tensor, logprob: torch.Tensor, rank: torch.Tensor,
+def with_logprobs(tokens: torch.Tensor, counts: torch.Tensor, logprobs: torch.Tensor, ranks: torch.Tensor,
                   top_ids: torch.Tensor, top_logprobs: torch.Tensor) -> SampleOutput:
     """The :class:`SampleOutput` of full-width logprob results, each row cut to its ``counts``
     (int64 ``[B]``, -1 = none)."""
     wanted = counts >= 0
     past = torch.arange(top_ids.shape[1], device=counts.device) >= counts[:, None]
-    return SampleOutput(tokens, torch.where(wanted, logprob, float("nan")), top_ids.masked_fill(past, -1),
-                        top_logprobs.masked_fill(past, float("nan")), torch.where(wanted, rank, -1))
+    return SampleOutput(tokens, torch.where(wanted, logprobs, float("nan")), top_ids.masked_fill(past, -1),
+                        top_logprobs.masked_fill(past, float("nan")), torch.where(wanted, ranks, -1))
 
 
 def drawn_logits(x: torch.Tensor, t: torch.Tensor, keep: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:

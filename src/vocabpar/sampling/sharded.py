@@ -48,9 +48,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from vocabpar import comm
+from vocabpar.kernels.fused import mass_totals, masses, sample_keys, scored, split_totals
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling.candidates import RoundOne, candidates_per_rank, gather_round_one, unsent_mass
-from vocabpar.sampling.fused import mass_totals, masses, sample_keys, scored, split_totals
 from vocabpar.sampling.params import Rows, SamplingParams, TokenCounts, check_sample_inputs, on_device
 from vocabpar.sampling.ranks import Ranks, agreed, group_ranks, params_fact
 from vocabpar.sampling.scoring import token_logprobs
@@ -419,7 +419,7 @@ class SampledRows:
         return self.nothing_unsent | (thr > unsent_max) | (unsent_max / self.temperature < self.min_z)
 
     def _mass_inputs(self, sel: torch.Tensor, lower: torch.Tensor, min_z: torch.Tensor) -> tuple:
-        """The :func:`~vocabpar.sampling.fused.masses` arguments of rows ``sel`` (sorted,
+        """The :func:`~vocabpar.kernels.fused.masses` arguments of rows ``sel`` (sorted,
         distinct) counting ``x >= lower`` and ``z >= min_z`` (both ``[B]``)."""
         return self.rows_of(sel), *self._row_terms(sel, lower, min_z)
 

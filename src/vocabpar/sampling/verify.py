@@ -35,8 +35,8 @@ from dataclasses import replace
 import torch
 
 from vocabpar import comm
+from vocabpar.kernels.fused import residual
 from vocabpar.layout import VocabLayout
-from vocabpar.sampling.fused import residual
 from vocabpar.sampling.params import Rows, SamplingParams, check_positions, check_verify_inputs, on_device
 from vocabpar.sampling.ranks import Ranks, agreed, group_ranks, params_fact
 from vocabpar.sampling.semantics import (

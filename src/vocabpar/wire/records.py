@@ -89,20 +89,30 @@ def agreement(facts: int) -> Record:
     return Record("agreement", (Field("valid"), Field("count"), Field("facts", facts)))
 
 
+INPUT_WORDS = 9
+"""Words describing a rejected input tensor in an engine check: its dtype's code, whether it is
+on the call's device, its number of dimensions, its first three sizes and the three sizes
+expected (-1: no such dimension)."""
+
+
 @cache
-def check(facts: int) -> Record:
+def check(facts: int, rows: int) -> Record:
     """The check an engine call folds into its first message: this rank's ``problem`` with its
-    input (0: none; else a code the caller names, at ``row``), then one word per fact that
-    every rank must share."""
-    return Record("check", (Field("problem"), Field("row"), Field("facts", facts)))
+    input (0: none; else a code the caller names, at ``row``) and, for a rejected tensor, what
+    it was (``input``, :data:`INPUT_WORDS`); one word per fact that every rank must share; one
+    fingerprint per batch row (of ``rows``) of that row's replicated inputs, which locates the
+    first row where ranks differ."""
+    return Record("check", (Field("problem"), Field("row"), Field("input", INPUT_WORDS),
+                            Field("facts", facts), Field("row_facts", rows)))
 
 
 @cache
 def folded(record: Record, rows: int, facts: int) -> Record:
     """One message of a fixed ``rows`` rows of ``record`` followed by a :func:`check` of
-    ``facts`` facts: an engine call's first collective carries its agreement check."""
+    ``facts`` facts over those rows: an engine call's first collective carries its agreement
+    check."""
     return Record(f"{record.name} + check", (Field("rows", rows * record.words()),
-                                             *check(facts).fields))
+                                             *check(facts, rows).fields))
 
 
 def agreement_words(checked: bool, varying: int) -> int:

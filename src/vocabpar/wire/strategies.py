@@ -22,8 +22,6 @@ from dataclasses import dataclass
 from vocabpar.wire.records import agreement_words
 from vocabpar.wire.traffic import WORD, all_gather_bytes, all_reduce_bytes
 
-GREEDY_PAIR_BYTES = 8 + 8  # float64 value (the sampler ranks in float64) + int64 global id per row
-
 
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
@@ -131,12 +129,6 @@ def hidden_gather_bytes(rows: int, dp: int, row_bytes: int, checked: bool = Fals
     attention is tensor-parallel (``dp=1``)."""
     return round(all_gather_bytes(WORD * agreement_words(checked, 1), dp)
                  + all_gather_bytes(_ceil(rows, dp) * row_bytes, dp))
-
-
-def greedy_bytes(rows: int, ranks: int) -> int:
-    """Greedy on sharded logits: all-gather of one (float64 value, int64 id) pair per row,
-    ``(n-1)·B·16`` received per rank -- independent of the vocabulary."""
-    return round(all_gather_bytes(rows * GREEDY_PAIR_BYTES, ranks))
 
 
 # ---------------------------------------------------------------------- embedding exchanges

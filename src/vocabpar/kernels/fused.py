@@ -7,10 +7,11 @@ Inductor compiles without fusing a product and a sum into one rounding (``-ffp-c
 C++, ``emulate_precision_casts`` for Triton). Each pass compiles once per calling convention with
 every dimension dynamic (unbacked, so sizes 0 and 1 do not specialise it): changing the batch, the
 positions or the parameters never recompiles; the compiled program is kept on disk
-(:mod:`vocabpar.sampling.store`) and later processes load it in milliseconds.
-``VOCABPAR_COMPILE=0`` (or :func:`compiling`) runs everything eager; a pass whose compilation
-fails warns once and runs eager, and so does a calling convention past Dynamo's recompile
-limit. Empty inputs run eager (compiled code never sees a size 0). Small inputs run compiled
+(:mod:`vocabpar.kernels.store`) and later processes load it in milliseconds; the first
+compilation in a process says so in one line on rank 0 (:func:`notice_compiling`; :func:`quiet`
+silences it). ``VOCABPAR_COMPILE=0`` (or :func:`compiling`) runs everything eager; a pass whose
+compilation fails warns once and runs eager, and so does a calling convention past Dynamo's
+recompile limit. Empty inputs run eager (compiled code never sees a size 0). Small inputs run compiled
 too: a compiled call costs tens of microseconds, the eager ``log`` of :mod:`vocabpar.exactmath`
 alone some thirty operations.
 """
@@ -20,14 +21,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from vocabpar.sampling import store
+from vocabpar.kernels import store
 from vocabpar.sampling.noise import gumbel, gumbel_bucket, row_keys
 from vocabpar.sampling.semantics import (
     NEG_INF,
@@ -46,6 +49,28 @@ loop that computes them (exact in any order) rather than handed to ATen (int64 o
 COMPILE_SECONDS: dict[str, float] = {}
 """Per pass, the seconds its first calls in each convention took in this process (compiling or
 loading included)."""
+NOTICE = ("vocabpar: compiling the sampler's passes, not yet in the store for this install and thread "
+          "count: up to a minute and a half on 2 cores for the first calls, once; later processes "
+          "load them in seconds. `vocabpar warm` compiles them ahead of time.")
+"""The line rank 0 prints the first time in a process a pass has to be compiled rather than
+loaded (:func:`notice_compiling`)."""
+_noticed = [False]
+
+
+def notice_compiling() -> None:
+    """Print :data:`NOTICE` on stderr, once per process and on rank 0 only (the rank of the
+    process group, else the ``RANK`` variable, else 0), unless :func:`quiet` said not to: called
+    before a pass compiles, which takes seconds, so that a first call's minute is not silent."""
+    if _noticed[0]:
+        return
+    _noticed[0] = True
+    if (dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "0")) in (0, "0", ""):
+        print(NOTICE, file=sys.stderr, flush=True)
+
+
+def quiet() -> None:
+    """No :data:`NOTICE` from this process (``vocabpar warm`` says what it compiles its own way)."""
+    _noticed[0] = True
 
 
 @contextlib.contextmanager
@@ -62,12 +87,12 @@ class Fused:
     """A pass ``fn`` of tensors, compiled on first use in each calling convention when enabled;
     the same bits either way. ``options``: Inductor settings for this pass on top of
     :data:`OPTIONS`. A convention compiled before, in this process or another, is loaded from
-    :mod:`vocabpar.sampling.store`."""
+    :mod:`vocabpar.kernels.store`."""
 
     def __init__(self, fn: Callable[..., object], options: dict[str, object] | None = None) -> None:
         self.fn, self.broken, self.full = fn, False, False
         self.programs: dict[str, list[store.Program]] = {}
-        """Per calling convention (:func:`~vocabpar.sampling.store.convention`), its programs."""
+        """Per calling convention (:func:`~vocabpar.kernels.store.convention`), its programs."""
         self.compiled = self.loaded = 0
         """How many of the programs this process compiled, and loaded from the store."""
         self.options = OPTIONS | (options or {})
@@ -99,6 +124,7 @@ class Fused:
         options = {k: v for k, v in self.options.items() if k in known}
         found = store.load(self.fn, args, options)
         if isinstance(found, Path):
+            notice_compiling()
             found = store.compile_and_save(self.fn, args, options, found)
             self.compiled += 1
         else:

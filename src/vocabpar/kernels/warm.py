@@ -1,10 +1,10 @@
 """Compile the local passes ahead of the first call that needs them.
 
-Each compiled pass is kept on disk as a program (:mod:`vocabpar.sampling.store`); a later process
+Each compiled pass is kept on disk as a program (:mod:`vocabpar.kernels.store`); a later process
 that calls a pass the same way loads it in milliseconds instead of compiling it for 0.3-10 s
 (plus Inductor's start-up). Its C++ kernels are specialised on the number of threads the process
 runs with (``torch.get_num_threads()``), so a warm store serves only processes with that many
-threads. :func:`warm` compiles every pass of :mod:`vocabpar.sampling.fused` in every calling
+threads. :func:`warm` compiles every pass of :mod:`vocabpar.kernels.fused` in every calling
 convention the samplers use, on small synthetic rows: the shapes do not matter (every dimension
 is dynamic), the dtypes and static flags do.
 """
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from vocabpar.sampling import fused
+from vocabpar.kernels import fused
 from vocabpar.sampling.noise import gumbel_bound, row_keys
 from vocabpar.sampling.semantics import mass_bits, mass_shift, order_key
 
@@ -99,8 +99,10 @@ def checked(names: list[str] | None) -> list[str]:
 def warm(names: list[str] | None = None) -> dict[str, float | None]:
     """Compile the calls of :func:`example_calls` named (all when None; see :func:`checked`) in
     this process, with its current thread count; seconds per call, None for a pass that could
-    not compile (it runs eager, and has warned why). Compiles even where ``VOCABPAR_COMPILE=0``."""
+    not compile (it runs eager, and has warned why). Compiles even where ``VOCABPAR_COMPILE=0``;
+    silences :data:`~vocabpar.kernels.fused.NOTICE` in this process (compiling is what it is for)."""
     names, calls = checked(names), example_calls()
+    fused.quiet()
     seconds: dict[str, float | None] = {}
     with fused.compiling(True):
         for name in names:
