@@ -1,9 +1,11 @@
 """Count the kernel launches and host reads of vocabpar's own code paths, for the planner's data
 (:mod:`vocabpar.plan.host`): each measured on real gloo ranks, agreement checks off.
+``scripts/count_launches.py`` writes :func:`tables` of every entry to the data file;
+``tests/test_host_work.py`` counts a sample again and compares.
 
 A launch is an ATen operation that does work: views, allocations, metadata queries and the
 collectives themselves (priced apart) are left out; on a GPU each of the others is about one kernel
-launch or one small copy. A fused pass (:mod:`vocabpar.sampling.fused`) counts as one launch,
+launch or one small copy. A fused pass (:mod:`vocabpar.kernels.fused`) counts as one launch,
 what it is compiled (the suite runs it eager: its inner operations are not counted). Host reads
 are :func:`vocabpar.host_reads.counting`'s. Counts are per
 call and do not depend on the batch size.
@@ -21,8 +23,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from vocabpar import ParallelLMHead, SamplingParams, VocabLayout, comm, compute_logits, sample
 from vocabpar.collect import broadcast_tokens
 from vocabpar.host_reads import counting
+from vocabpar.kernels import fused
 from vocabpar.plan import host
-from vocabpar.sampling import Sampler, fused, verify
+from vocabpar.sampling import Sampler, verify
 from vocabpar.sampling.scoring import token_logprobs
 
 FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "lift_fresh",
@@ -160,4 +163,37 @@ def measure(rows: int = B, parts: tuple[str, ...] = ("sample", "score", "collect
     out["collect"]["broadcast_ids"] = counted(broadcast_tokens, tokens if comm.rank() == 0 else None,
                                               hidden.shape[0], check=False)
     out["collect"]["all_gather_ids"] = counted(comm.all_gather_uneven, tokens[:2], [2] * comm.world_size())
+    return out
+
+
+def busiest(per_rank: list[dict], part: str, key) -> tuple[int, int]:
+    """``(launches, host reads)`` of ``part``'s ``key`` on the rank that launches most."""
+    return max(r[part][key] for r in per_rank)
+
+
+def tables(two: list[dict], three: list[dict]) -> dict[str, dict[str, list[int]]]:
+    """The planner's measured tables (:data:`vocabpar.plan.host.MEASURED`, entries by name) from
+    :func:`measure` on two ranks and (score and collect) three: a sampler's typical work is the
+    busiest rank's on peaked rows, its worst the most on any family; scoring and collection are
+    fitted as launches plus launches per rank (their reads must not grow with the ranks). Holds
+    the keys the measurements hold."""
+    out: dict[str, dict[str, list[int]]] = {table: {} for table in host.MEASURED}
+    families_seen: dict[tuple[str, str], dict[str, tuple[int, int]]] = {}
+    for part, table in (("sample", "functional"), ("verify", "functional_verify"), ("engine", "engine")):
+        for key in two[0][part]:
+            *branch, family = key  # (sampler key, family) or, verifying, (sampler key, draft, family)
+            name = host.verify_name(*branch) if len(branch) == 2 else branch[0].name
+            where = (f"{table}_verify" if part == "engine" and len(branch) == 2 else table, name)
+            families_seen.setdefault(where, {})[family] = busiest(two, part, key)
+    for (table, name), counts in families_seen.items():
+        worst = [max(c[i] for c in counts.values()) for i in (0, 1)]
+        out[table][name] = [*counts["peaked"], *worst]
+    fitted = {"score": {host.score_name(n): n for n in two[0]["score"]},
+              "collect": {s: s for s in two[0]["collect"] if not s.endswith("_ids")}}
+    for table, names in fitted.items():
+        for name, key in names.items():
+            (l2, r2), (l3, r3) = busiest(two, table, key), busiest(three, table, key)
+            if r2 != r3:
+                raise ValueError(f"{table} {name!r} reads {r2} times on two ranks, {r3} on three")
+            out[table][name] = [l2 - 2 * (l3 - l2), l3 - l2, r2]
     return out

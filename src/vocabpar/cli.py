@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import sys
 import textwrap
 import time
@@ -15,8 +16,11 @@ from typing import NoReturn
 
 from vocabpar import bench, demo, plan, plots
 from vocabpar.layout import SCHEMES, VocabLayout
-from vocabpar.plan.text import format_table
+from vocabpar.plan.machine import DEFAULT_MODE
+from vocabpar.plan.model import DTYPE_BYTES, LIMITS
+from vocabpar.plan.study import study_figures
 from vocabpar.presets import DEFAULT_PRESET, PRESETS, load_config, preset
+from vocabpar.report import DEFAULT_WIDTH, fit_table, format_table, report_text
 
 
 def _number(p: argparse.ArgumentParser, flag: str, kind: type[int] | type[float], limits: tuple[float, float],
@@ -90,17 +94,27 @@ def _list_presets() -> int:
     return 0
 
 
+def _plan_ranks(args: argparse.Namespace) -> int:
+    """``--ranks`` or its alias ``--tp`` (default 8); both given with different values is an error."""
+    if args.tp is not None and args.ranks is not None and args.tp != args.ranks:
+        raise ValueError(f"--tp {args.tp} and --ranks {args.ranks} disagree: --tp is another name for "
+                         "--ranks (the tensor-parallel degree); give one of them")
+    return next((x for x in (args.tp, args.ranks) if x is not None), 8)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """``--config`` (a Hugging Face config.json or its folder) or ``--preset`` gives the model;
-    ``--mode`` the prices of a collective, a launch and a host read, each overridable."""
+    ``--mode`` the prices of a collective, a launch and a host read, each overridable. The
+    report fits the terminal's width (``COLUMNS``; 100 when not a terminal)."""
     if args.list_presets:
         return _list_presets()
+    ranks = _plan_ranks(args)
     model = load_config(args.config, tied=args.tied) if args.config else preset(args.preset)
     mode = plan.mode(args.mode)
     dtypes = (args.weight_dtype or model.dtype, args.logits_dtype or model.dtype)
-    if args.ranks % args.dp:
-        raise ValueError(f"dp={args.dp} must divide ranks={args.ranks}")
-    kv = model.kv_bytes_per_rank(args.ranks // args.dp) if args.kv_bytes_per_token is None \
+    if ranks % args.dp:
+        raise ValueError(f"dp={args.dp} must divide ranks={ranks}")
+    kv = model.kv_bytes_per_rank(ranks // args.dp) if args.kv_bytes_per_token is None \
         else args.kv_bytes_per_token
 
     def given(value: float | None, default: float) -> float:
@@ -109,7 +123,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         vocab=model.vocab_size if args.vocab is None else args.vocab,
         hidden=model.hidden_size if args.hidden is None else args.hidden,
         tied=model.tied if args.tied is None else args.tied,
-        ranks=args.ranks, dp=args.dp, batch=args.batch, tokens=args.tokens,
+        ranks=ranks, dp=args.dp, batch=args.batch, tokens=args.tokens,
         weight_dtype_bytes=plan.dtype_bytes(dtypes[0]), logits_dtype_bytes=plan.dtype_bytes(dtypes[1]),
         bandwidth=args.bandwidth * 1e9, flops=args.flops * 1e12, kv_bytes_per_token=kv, pad_to=args.pad_to,
         latency=given(args.latency_us, mode.latency), launch=given(args.launch_us, mode.launch),
@@ -120,7 +134,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     costs = plan.plan(w)
     rec = plan.recommend(costs, None if args.headroom is None else args.headroom * plan.GiB)
     crossovers = plan.crossovers(w)
-    study = plan.study_figures() if args.study else []
+    study = study_figures() if args.study else []
     if args.plot:
         print(f"wrote {plots.plot_plan(w, args.plot)}", file=sys.stderr)
     if args.json:
@@ -130,7 +144,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           "study": [asdict(f) | {"text": f.text, "agrees": f.agrees} for f in study]},
                          indent=2))
         return 0
-    print(plan.report_text(w, costs, rec, crossovers, model, mode, dtypes, study))
+    width = shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns
+    print(report_text(w, costs, rec, crossovers, model, mode, dtypes, study, width=width, wide=args.wide))
     return 0
 
 
@@ -144,21 +159,6 @@ def _range(typical: float, worst: float, show=_bytes) -> str:
 
 WIDTH = 120
 """Columns a default table fits in; ``--wide`` shows every column."""
-
-
-def fit_table(header: Sequence[str], rows: Sequence[Sequence[object]], drop: Sequence[str],
-              width: int | None = WIDTH) -> tuple[str, list[str]]:
-    """:func:`format_table` without the columns of ``drop``, first ones first, until its lines
-    fit ``width`` (``None``: keep all); the table and the columns left out."""
-    keep, left_out = list(header), []
-    while True:
-        index = [list(header).index(h) for h in keep]
-        table = format_table(keep, [[row[i] for i in index] for row in rows])
-        candidates = [h for h in drop if h in keep]
-        if width is None or max(map(len, table.splitlines())) <= width or not candidates:
-            return table, left_out
-        keep.remove(candidates[0])
-        left_out.append(candidates[0])
 
 
 def _torchrun_ranks(asked: int | None, default: int) -> int:
@@ -254,7 +254,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
     not compile; ``ValueError`` (exit 2) for an unknown name, before anything compiles."""
     import torch
 
-    from vocabpar.sampling import store, warm
+    from vocabpar.kernels import store, warm
 
     names = warm.checked(args.passes.split(",") if args.passes else None)
     threads = args.threads or torch.get_num_threads()
@@ -324,9 +324,9 @@ def _suggestion(message: str, known: Sequence[str]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Every numeric option has a documented range (``plan.LIMITS``, ``demo.LIMITS``) checked at
+    """Every numeric option has a documented range (``plan.model.LIMITS``, ``demo.LIMITS``) checked at
     parse time: a bad value exits 2 with one line naming the option and the value."""
-    L, D = plan.LIMITS, demo.LIMITS
+    L, D = LIMITS, demo.LIMITS
     parser = _Parser(
         prog="vocabpar", description="Vocabulary-parallel embedding, LM head, logits and sampling.")
     parser.add_argument("--version", action="version", version=f"vocabpar {bench.version()}")
@@ -351,19 +351,22 @@ def build_parser() -> argparse.ArgumentParser:
     tied = p.add_mutually_exclusive_group()
     tied.add_argument("--tied", dest="tied", action="store_true", default=None, help="one shared matrix")
     tied.add_argument("--untied", dest="tied", action="store_false", help="embedding and head separate")
-    _number(p, "--ranks", int, L["ranks"], "ranks sharing the vocabulary (TP degree)", default=8)
+    _number(p, "--ranks", int, L["ranks"], "ranks sharing the vocabulary, the tensor-parallel degree "
+            "(default 8). The one-device llama.cpp design applies at 1 only: at other counts it is left "
+            "out of the table and the recommendation, and --json marks it \"applies\": false")
+    _number(p, "--tp", int, L["ranks"], "another name for --ranks")
     _number(p, "--dp", int, L["dp"], "data-parallel attention groups, dividing --ranks (1 = attention TP)",
             default=1)
     _number(p, "--batch", int, L["batch"], "rows needing logits per step", default=256)
     _number(p, "--tokens", int, L["tokens"], "tokens per forward (embedding)", default=8192)
     for what in ("weight", "logits"):
-        p.add_argument(f"--{what}-dtype", type=str.lower, choices=plan.DTYPE_BYTES,
+        p.add_argument(f"--{what}-dtype", type=str.lower, choices=DTYPE_BYTES,
                        help=f"{what} element type (default: the model's)")
     _number(p, "--bandwidth", float, L["bandwidth"], "interconnect GB/s", scale=1e9, default=300.0)
-    p.add_argument("--mode", default=plan.DEFAULT_MODE, choices=plan.MODES,
+    p.add_argument("--mode", default=DEFAULT_MODE, choices=plan.MODES,
                    help="how collectives run, which sets the next three figures: " + "; ".join(
                        f"{m.name}: {m.summary}" for m in plan.MODES.values())
-                   + f" (default {plan.DEFAULT_MODE})")
+                   + f" (default {DEFAULT_MODE})")
     _number(p, "--latency-us", float, L["latency"], "microseconds per collective (default: the mode's)",
             scale=1e-6)
     _number(p, "--launch-us", float, L["launch"], "microseconds per kernel launch (default: the mode's)",
@@ -392,6 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     _number(p, "--skew", float, L["skew"], "share of a forward's tokens owned by the busiest rank, at least "
             "1/ranks (default: balanced)")
     p.add_argument("--json", action="store_true", help="print plain data in base units")
+    p.add_argument("--wide", action="store_true", help="every column of the design table (default: the "
+                   "columns that fit the terminal's width, COLUMNS, or 100 when not a terminal)")
     p.add_argument("--study", action="store_true",
                    help="also print the study's reference figures recomputed by the cost model")
     p.add_argument("--plot", metavar="FILE.png", type=_png,
@@ -420,15 +425,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_score)
     p = sub.add_parser("bench", help="run the benchmark scripts (bench_*.py) and print their tables",
                        description="Run the benchmark scripts one after another (about 15 minutes on 2 "
-                                   "cores; --quick: about 1 minute), with progress and an estimate on "
-                                   "stderr.")
+                                   "cores; --quick: about 1 minute, 2-3 on a busy machine, its sampler "
+                                   "passes never compiled), with progress and an estimate on stderr; each "
+                                   "prints its tables within 100 columns and a bottom line, and a summary "
+                                   "of the bottom lines and the total time ends the run.")
     p.add_argument("--dir", help="folder holding bench_*.py (default: ./benchmarks, else the source checkout "
                                  "vocabpar is installed from)")
     p.add_argument("--only", help="run one script, e.g. 'embedding' or 'bench_embedding'")
     p.add_argument("--quick", action="store_true",
                    help="every benchmark at small sizes (2 ranks, V=8192): a smoke test, ratios indicative")
     p.add_argument("--out", metavar="FILE.md", type=_writable,
-                   help="also write the tables (markdown) here, rewritten as each benchmark finishes")
+                   help="also write the tables (markdown, with the columns left out to fit 100 columns) "
+                        "here, rewritten as each benchmark finishes")
     p.add_argument("--plot", metavar="FILE.png", type=_png,
                    help="instead of the benchmarks, run the demo and plot bytes and time per design "
                         "(.png appended if missing)")

@@ -30,10 +30,12 @@ import torch
 from vocabpar import comm, launch, plan, rss
 from vocabpar.host_reads import counting
 from vocabpar.integrations.decode import AUTO, can_verify
+from vocabpar.kernels.fused import SWITCH, compiling
 from vocabpar.layout import VocabLayout
+from vocabpar.plan.model import step_traffic, verify_step_traffic
 from vocabpar.sampling import SamplingParams
-from vocabpar.sampling.fused import SWITCH, compiling
 from vocabpar.wire.strategies import STRATEGIES
+from vocabpar.wire.traffic import Traffic
 
 MODELS = ("gpt2", "llama", "qwen2")
 FP32_BYTES = 4  # the demo models, their activations and the logits are FP32
@@ -102,17 +104,17 @@ def sampling_params(batch: int) -> SamplingParams:
     return SamplingParams(temperature=0.9, top_k=200, top_p=0.95, seed=[1000 + b for b in range(batch)])
 
 
-def decode_step(design: plan.Design, w: plan.Workload, owned: int) -> plan.Traffic:
-    """The planner's traffic for one decode step of ``design`` (:func:`vocabpar.plan.step_traffic`)
+def decode_step(design: plan.Design, w: plan.Workload, owned: int) -> Traffic:
+    """The planner's traffic for one decode step of ``design`` (:func:`vocabpar.plan.model.step_traffic`)
     whose ids' largest owner holds ``owned`` of them; the DP row counts carry the agreement
     record when the checks are on."""
-    return plan.step_traffic(design, w, owned=owned, checked=comm.checks_enabled())
+    return step_traffic(design, w, owned=owned, checked=comm.checks_enabled())
 
 
-def verify_step(design: plan.Design, w: plan.Workload, owned: int) -> plan.Traffic:
+def verify_step(design: plan.Design, w: plan.Workload, owned: int) -> Traffic:
     """The planner's traffic for one speculative step of ``design``'s target model
-    (:func:`vocabpar.plan.verify_step_traffic`); the draft model's decoding is booked apart."""
-    return plan.verify_step_traffic(design, w, owned=owned)
+    (:func:`vocabpar.plan.model.verify_step_traffic`); the draft model's decoding is booked apart."""
+    return verify_step_traffic(design, w, owned=owned)
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,7 @@ class Mode:
 
     name: str
     params: Callable[[int], SamplingParams | None]
-    price: Callable[[plan.Design, plan.Workload, int], plan.Traffic] = decode_step
+    price: Callable[[plan.Design, plan.Workload, int], Traffic] = decode_step
     spec_tokens: int = 0
 
     def runs(self, design: plan.Design) -> bool:

@@ -10,7 +10,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vocabpar.plan import DESIGNS, Design, GiB, Workload, crossover, design_cost, winners
+from vocabpar.plan import DESIGNS, Design, GiB, Workload, crossover
+from vocabpar.plan.cost import design_cost
+from vocabpar.plan.recommend import winners
 
 if TYPE_CHECKING:
     from vocabpar.demo import DemoResult
@@ -50,7 +52,7 @@ def plot_plan(w: Workload, path: str, designs: tuple[Design, ...] = DESIGNS) -> 
     """Write a PNG: the step's typical time vs batch size (gathering vs sampling on shards: the
     crossover marked), the bytes received per rank per step vs batch size, memory per rank vs
     ranks, one line per design, and the map of which design wins
-    (:func:`vocabpar.plan.winners`) over latency per collective and bandwidth, with ``w``'s own
+    (:func:`vocabpar.plan.recommend.winners`) over latency per collective and bandwidth, with ``w``'s own
     point marked (needs the ``plot`` extra, matplotlib). Returns the path written (see
     ``png_path``)."""
     png_path(path)  # a bad name fails before any work

@@ -5,7 +5,8 @@ target model fed the last token and the drafts, its ``B·(K+1)`` rows verified; 
 own decoding left out). Its time is ``collectives·latency + bytes/bandwidth + launches·launch +
 host_reads·sync + head FLOPs/flops``, typical and worst; the recommendation, the winner map and
 the crossover read the typical case. Traffic comes from :mod:`vocabpar.plan.model` (the wire's
-scripts), launches and host reads from :mod:`vocabpar.plan.host` (measured code paths).
+scripts), launches and host reads from :mod:`vocabpar.plan.host` (measured code paths), plus the
+one copy of a step's sampled ids to the host that every design makes.
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ class DesignCost:
     verifying ``spec_tokens`` drafts per row (typical case); ``score_bytes``,
     ``score_peak_bytes``: scoring ``score_tokens`` prompt tokens. ``extra_memory_bytes``: weights
     + logits above the leanest design; ``kv_tokens`` what that memory would hold as KV cache
-    (``None`` when the workload's KV bytes per token are unknown)."""
+    (``None`` when the workload's KV bytes per token are unknown). ``applies``: whether the design
+    runs on the workload's rank count (a one-device design such as llama.cpp only on one rank);
+    priced either way."""
 
     name: str
     engine: str
@@ -89,6 +92,7 @@ class DesignCost:
     score_peak_bytes: int
     extra_memory_bytes: int = 0
     kv_tokens: int | None = 0
+    applies: bool = True
 
 
 def sampler_key(w: Workload, ranks: int, widest: int) -> host.SamplerKey:
@@ -102,15 +106,16 @@ def sampler_key(w: Workload, ranks: int, widest: int) -> host.SamplerKey:
 
 def host_work(design: Design, w: Workload, step: str) -> HostWork:
     """Launches and host reads of ``design``'s logits path in one ``step`` (:data:`STEPS`) of
-    ``w``: computing and collecting the logits, then sampling, verifying or scoring them."""
+    ``w``: computing and collecting the logits, then sampling, verifying or scoring them; a
+    decode or verification step also copies its ids to the host (:data:`host.IDS_TO_HOST`)."""
     n = 1 if design.single_device else w.ranks
     widest = min(shard_rows(w.vocab, n, design.scheme, w.pad_to), w.vocab)
     key = sampler_key(w, n, widest)
     collect = host.collect_work(design.strategy, n)
     if step == "decode":
-        return collect + host.sampler_work(design.sampler, key)
+        return collect + host.sampler_work(design.sampler, key) + host.IDS_TO_HOST
     if step == "verify":
-        return collect + host.verify_work(design.sampler, key, w.draft_logits)
+        return collect + host.verify_work(design.sampler, key, w.draft_logits) + host.IDS_TO_HOST
     blocks = len(score_blocks(w.score_tokens)) if strategy(design.strategy).on_shards else 1
     per_block = HostWork(*(blocks * x for x in (collect.launches, collect.reads, collect.launches_worst,
                                                  collect.reads_worst)))
@@ -192,7 +197,19 @@ def design_cost(design: Design, w: Workload) -> DesignCost:
         collectives_worst=traffic.collectives_worst,
         launches=work.launches, launches_worst=work.launches_worst, host_reads=work.reads,
         host_reads_worst=work.reads_worst, verify_bytes=verify.bytes, verify_collectives=verify.collectives,
-        score_bytes=scored, score_peak_bytes=score_peak)
+        score_bytes=scored, score_peak_bytes=score_peak, applies=not design.single_device or w.ranks == 1)
+
+
+def step_time(design: Design, w: Workload, step: str) -> float:
+    """Typical seconds of ``design``'s ``step`` of ``w`` as the report's table prices it: ``w``'s
+    decode or verification step whole (:func:`design_cost`'s ``step_time_s``), or for ``"score"``
+    the logits path of scoring (:func:`path_time`)."""
+    if step == "score":
+        return path_time(design, w, step)
+    own = "verify" if w.spec_tokens else "decode"
+    if step != own:
+        raise ValueError(f"the workload's step is {own!r} (spec_tokens={w.spec_tokens}), not {step!r}")
+    return design_cost(design, w).step_time_s
 
 
 def plan(w: Workload, designs: tuple[Design, ...] = DESIGNS) -> list[DesignCost]:

@@ -1,10 +1,11 @@
 """The cost model: what each vocabulary design costs per rank, as plain numbers.
 
-Units, limits and dtype sizes; the quantities (weights, logits, FLOPs, times); the workload, its
-sampling and the designs; the traffic of a decode step, of speculative verification and of
-scoring, composed from the collectives each takes part in. Each design priced on a workload is
-:mod:`vocabpar.plan.cost`'s, the launches and host reads it adds :mod:`vocabpar.plan.host`'s;
-recommending a design, formatting and the study's figures live in :mod:`vocabpar.plan.report`,
+Units (read aloud by :func:`human`), limits and dtype sizes; the quantities (weights, logits,
+FLOPs, times); the workload, its sampling and the designs; the traffic of a decode step, of
+speculative verification and of scoring, composed from the collectives each takes part in.
+Each design priced on a workload is :mod:`vocabpar.plan.cost`'s, the launches and host reads it
+adds :mod:`vocabpar.plan.host`'s; recommending a design lives in :mod:`vocabpar.plan.recommend`,
+the study's figures in :mod:`vocabpar.plan.study`; the report's text in :mod:`vocabpar.report`,
 pictures in :mod:`vocabpar.plots`.
 
 Every quantity is one small function of explicit shapes returning base units (bytes, FLOPs,
@@ -90,6 +91,36 @@ def dtype_bytes(name: str) -> int:
         return DTYPE_BYTES[name.lower()]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; known: {', '.join(DTYPE_BYTES)}") from None
+
+
+def count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: ``1 host read``, ``3 launches``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('ch') else 's'}"
+
+
+_SCALES = {
+    "bytes": (("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1)),
+    "ibytes": (("GiB", GiB), ("MiB", MiB), ("KiB", KiB), ("B", 1)),
+    "seconds": (("s", 1), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9)),
+    "flops": (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("FLOP", 1)),
+    "tokens": (("M tokens", 1e6), ("k tokens", 1e3), ("tokens", 1)),
+}
+UNITS = {unit: scale for scales in _SCALES.values() for unit, scale in scales} | {"per forward": 1}
+
+
+def format_quantity(value: float, unit: str, digits: int) -> str:
+    """``value`` (base units) in ``unit`` with ``digits`` decimals: GB/MB/KB are powers of 10,
+    GiB/MiB/KiB powers of 2."""
+    return f"{value / UNITS[unit]:.{digits}f} {unit}"
+
+
+def human(value: float, kind: str) -> str:
+    """``value`` in the largest unit of ``kind`` (bytes, ibytes, seconds, flops, tokens) that
+    keeps it at least 1; two decimals below 10, else one; none for whole units (B, FLOP)."""
+    scales = _SCALES[kind]
+    unit, scale = next(((u, s) for u, s in scales if abs(value) >= s), scales[-1])
+    digits = 0 if scale == 1 and kind != "seconds" else 2 if abs(value) < 10 * scale else 1
+    return format_quantity(value, unit, digits)
 
 
 # ---------------------------------------------------------------------- quantities
@@ -320,7 +351,8 @@ DESIGNS: tuple[Design, ...] = (
            "peaked rows, worst case in --json)", sampler="functional"),
     Design("vocabpar-engine", "vocabpar", "padded", "owner_gather", "none",
            "owner-gather embedding; the engine Sampler on sharded logits: one fixed script per step, "
-           "no host read but its failure flags", sampler="engine"),
+           "no host read of its own (its failure flags ride in the step's copy of sampled ids)",
+           sampler="engine"),
 )
 
 

@@ -1,0 +1,87 @@
+"""Count the kernel launches and host reads of vocabpar's own code paths and write them as the
+planner's data, src/vocabpar/plan/host_work.json (:mod:`vocabpar.plan.host` reads it):
+
+    .venv/bin/python scripts/count_launches.py [--out PATH]
+
+Runs ``tests/host_probe.py``'s measurement on two local gloo ranks (every sampler key, every
+family of logit rows) and on three (scoring and collection, whose launches grow with the ranks),
+then writes every measured table with a header: the torch version, the command, the date and how
+launches and host reads were counted. About half a minute on two cores. Rerun it whenever a
+sampler, verifier, scorer or collection path changes; ``tests/test_host_work.py`` re-counts a
+sample of the entries and fails when the file has gone stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import sys
+from pathlib import Path
+
+# as in the test suite: the fused passes run eager (each still counts as one launch) and a rank's
+# idle OpenMP threads sleep; set before torch loads, here and in every rank
+os.environ.setdefault("VOCABPAR_COMPILE", "0")
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # before the first launch: the ranks unpickle host_probe's functions
+
+import host_probe  # noqa: E402
+import torch  # noqa: E402
+
+from vocabpar.launch import run  # noqa: E402
+from vocabpar.plan import host  # noqa: E402
+
+COUNTING = (
+    "A launch is an ATen operation that does work, counted by a TorchDispatchMode: views, "
+    "allocations, metadata queries and the collectives (priced apart) are left out; each fused "
+    "pass of vocabpar.kernels.fused counts as one launch, its inner operations hidden. A host read "
+    "is what vocabpar.host_reads.counting sees: a read of a device value, a copy to the host, or an "
+    "op whose output size depends on the data. Measured on CPU gloo ranks with agreement checks "
+    "off; counts are per call and do not depend on the batch size.")
+
+
+def measure() -> dict:
+    """The tables and their header, measured now."""
+    two = run(host_probe.measure, 2, host_probe.B, timeout=300, run_timeout=900)
+    three = run(host_probe.measure, 3, host_probe.B, ("score", "collect"), timeout=300, run_timeout=900)
+    script = Path(sys.argv[0]).resolve()
+    command = " ".join(["python", str(script.relative_to(ROOT) if script.is_relative_to(ROOT) else script),
+                        *sys.argv[1:]])
+    header = {
+        "torch": torch.__version__, "python": platform.python_version(), "command": command,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "counting": COUNTING,
+        "setup": (f"vocabulary {host_probe.V}, {host_probe.B} rows, {host_probe.K} drafts per row; "
+                  f"samplers on 2 ranks (the busiest rank); families {', '.join(host_probe.families())} "
+                  f"(typical: peaked); score and collect fitted from 2 and 3 ranks"),
+        "tables": host.MEASURED,
+        "not_here": "the dense sampler's tables (vLLM's own sampler, counted outside this repository) stay "
+                    "typed in vocabpar/plan/host.py",
+    }
+    return {"header": header, **host_probe.tables(two, three)}
+
+
+def dumps(data: dict) -> str:
+    """``data`` as indented JSON with each list of numbers on one line."""
+    text = json.dumps(data, indent=1)
+    return re.sub(r"\[\s+([-\d,\s]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Count the kernel launches and host reads of vocabpar's "
+                                                 "code paths and write the planner's data file.")
+    parser.add_argument("--out", type=Path, default=host.DATA, help="where to write (default: %(default)s)")
+    args = parser.parse_args(argv)
+    data = measure()
+    args.out.write_text(dumps(data))
+    entries = sum(len(t) for name, t in data.items() if name != "header")
+    print(f"{entries} entries in {len(data) - 1} tables -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
