@@ -9,7 +9,8 @@ store that was already listening). Every rank's return value comes back to the c
 exception on any rank, or a rank that dies, raises :class:`LaunchError` naming the rank(s); the
 collective timeout makes survivors of a dead peer fail instead of hanging. A rank that
 succeeded stays until every rank has reported (a peer may still be connecting to it), then the
-caller ends it.
+caller releases it and it exits on its own, with what multiprocessing registered in it released
+(a rank that does not exit within :data:`EXIT_GRACE` is killed).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import importlib
 import math
 import multiprocessing as mp
 import multiprocessing.connection as mpc
+import multiprocessing.util as mp_util
 import os
 import pickle
 import sys
@@ -32,9 +34,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _abort_process_group
 
 # modules the forkserver imports once, before it forks the first rank (see preload)
 PRELOAD = ["torch", "vocabpar"]
+EXIT_GRACE = 2.0
+"""Seconds a local run waits for its ranks to exit on their own once released (a reported rank
+takes milliseconds) before it kills the rest."""
 
 
 def preload(*modules: str) -> None:
@@ -103,24 +109,37 @@ def shutdown() -> None:
     released. Left to interpreter exit instead, a worker thread that still holds the last
     reference to a tensor of the final collective needs the GIL to free it while Python is
     finalising, and the process aborts (``terminate called without an active exception``)."""
+    _teardown(after_error=False)
+
+
+def _teardown(after_error: bool) -> None:
+    """Destroy every process group, so that no backend thread outlives this call: after a barrier
+    (:func:`shutdown`), or ``after_error`` without one, aborting it (NCCL's communicators are
+    aborted instead of flushed; gloo's worker threads are joined either way, once the collective
+    this rank left in flight, if any, completes or times out)."""
     if not dist.is_initialized():
         return
     world = dist.group.WORLD
     try:
-        dist.barrier()
+        if not after_error:
+            dist.barrier()
     finally:
-        dist.destroy_process_group()
+        (_abort_process_group if after_error else dist.destroy_process_group)()
     if sys.getrefcount(world) > 2:  # still referenced elsewhere: its threads outlive this call, so leave
         time.sleep(0.05)  # them the GIL to finish what they hold before the interpreter finalises
 
 
 def _shutdown_at_exit() -> None:
-    """:func:`shutdown` at a normal exit; after an uncaught exception a peer may never reach the
-    barrier, so the group is left to the process's end."""
-    if getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None:
-        return
+    """:func:`shutdown` at a normal exit. After an uncaught exception (its traceback already
+    printed) a peer may never reach the barrier, so the groups are aborted without one (and the
+    locals of the traceback's frames dropped first, lest they keep a group alive): the process
+    then exits with status 1, never by ``SIGABRT``, and a peer's next collective fails with a
+    connection error (or its timeout) instead of waiting for this rank."""
+    error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if error is not None:  # its frames may hold groups or tensors: drop their locals, printed already
+        traceback.clear_frames(error.__traceback__)
     try:
-        shutdown()
+        _teardown(after_error=error is not None)
     except Exception as e:  # a peer already gone: say so in one line, exit as planned
         first = (str(e).splitlines() or [""])[0]
         print(f"vocabpar: process group teardown failed: {type(e).__name__}: {first}", file=sys.stderr)
@@ -160,15 +179,19 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60
             theirs.close()
             procs.append(p)
             conns.append(mine)
+        pending = set(range(world_size))
         try:
-            return _collect(procs, conns, deadline=time.monotonic() + run_timeout, grace=timeout + 10)
+            return _collect(procs, conns, pending, time.monotonic() + run_timeout, grace=timeout + 10)
         finally:
-            for conn in conns:
+            for conn in conns:  # releases the ranks that reported: they exit on their own, cleaned up
                 conn.close()
-            for p in procs:
-                if p.is_alive():
+            exited = time.monotonic() + EXIT_GRACE
+            for r, p in enumerate(procs):
+                if r not in pending:
+                    p.join(max(0.0, exited - time.monotonic()))
+                if p.is_alive():  # never reported (stuck, or the run timed out), or did not exit in time
                     p.kill()
-                p.join(5)
+                    p.join(5)
 
 
 def _rank_main(fn, rank, world_size, store, timeout, threads, conn, args, kwargs) -> None:
@@ -197,14 +220,19 @@ def _rank_main(fn, rank, world_size, store, timeout, threads, conn, args, kwargs
             conn.recv_bytes()
         except (EOFError, OSError):
             pass
+    # what multiprocessing does at the end of its own processes: release what it registered in this
+    # one (a semaphore left registered makes the resource tracker warn of a leak when the caller
+    # exits; torch's compiler, through tqdm's lock, creates one per process)
+    mp_util._run_finalizers(0)
     os._exit(0)  # skip interpreter teardown: a dead peer must not make this rank hang on exit
 
 
-def _collect(procs, conns, deadline: float, grace: float) -> list[Any]:
+def _collect(procs, conns, pending: set[int], deadline: float, grace: float) -> list[Any]:
+    """The ranks' results in rank order, or :class:`LaunchError`; ``pending`` (every rank at
+    first) loses each rank as it reports or dies."""
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
     tracebacks: dict[int, str] = {}
-    pending = set(range(len(procs)))
     shortened = False
     while pending:
         if failures and not shortened:  # survivors get one collective timeout to fail too
