@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import QUICK_HELP, bytes_of, fmt_bytes, sized, timed  # noqa: E402
+from common import QUICK_HELP, bottom_line, bytes_of, factor, fmt_bytes, ms, over, show, sized, table, timed  # noqa: E402
 
 from vocabpar import VocabLayout, VocabParallelEmbedding, comm  # noqa: E402
 from vocabpar.launch import run  # noqa: E402
@@ -101,27 +101,29 @@ def main() -> None:
     args = parser.parse_args()
     res = run(bench, args.ranks, args.tokens, args.reps, timeout=600, run_timeout=1800)[0]
     local = res["local"]
-    print(f"### Embedding: {args.ranks} gloo ranks, T={args.tokens}, H={H}, V={V}, bf16\n")
-    print("| local step (rank 0) | ms | vs fused |\n|---|---|---|")
-    for name, sec in local.items():
-        print(f"| {name} | {sec * 1e3:.2f} | {sec / local['fused']:.2f}x |")
-    print(f"\nfused is {local['unfused'] / local['fused']:.2f}x faster than unfused; "
-          f"{local['fused'] / local['F.embedding (full table)']:.2f}x the F.embedding floor\n")
+    show(f"### Embedding: {args.ranks} gloo ranks, T={args.tokens}, H={H}, V={V}, bf16")
+    table(["local step (rank 0)", "ms", "vs fused"],
+          [[name, ms(sec, 2), over(sec, local["fused"], 2)] for name, sec in local.items()])
+    show(f"fused is {over(local['unfused'], local['fused'], 2)} faster than unfused; "
+         f"{over(local['fused'], local['F.embedding (full table)'], 2)} the F.embedding floor")
     for kind, row in res["exchange"].items():
         ar = row["all_reduce"][0]
-        print(f"**{kind} ids** (tokens owned per rank: {row['owned']})\n")
-        print("| exchange | ms | vs all_reduce | sent / rank 0 | received / rank 0 | chose |")
-        print("|---|---|---|---|---|---|")
+        show(f"\n{kind} ids (tokens owned per rank: {row['owned']})")
+        rows = []
         for mode in ("all_reduce", "owner_gather", "auto"):
             sec, (sent, recv), chose = row[mode]
-            print(f"| {mode} | {sec * 1e3:.2f} | {ar / sec:.2f}x | {fmt_bytes(sent)} | {fmt_bytes(recv)} "
-                  f"| {chose} |")
+            rows.append([mode, ms(sec, 2), over(ar, sec, 2), fmt_bytes(sent), fmt_bytes(recv), chose])
         dsec, ok = row["dtensor"]
+        rows.append(["DTensor RowwiseParallel", ms(dsec, 2), over(ar, dsec, 2), "", "", f"exact={ok}"])
+        table(["exchange", "ms", "vs all_reduce", "sent / rank 0", "received / rank 0", "chose"], rows)
         best = min(row[m][0] for m in ("all_reduce", "owner_gather", "auto"))
-        print(f"| DTensor RowwiseParallel | {dsec * 1e3:.2f} | {ar / dsec:.2f}x | | | exact={ok} |")
-        print(f"\nvocabpar auto vs DTensor: {dsec / row['auto'][0]:.2f}x faster "
-              f"(best mode {dsec / best:.2f}x)\n")
-
+        show(f"vocabpar auto is {factor(row['auto'][0], dsec)} than DTensor (best mode {factor(best, dsec)})")
+    uniform = res["exchange"]["uniform"]
+    (ar, (ar_sent, _), _), (og, (og_sent, _), _) = uniform["all_reduce"], uniform["owner_gather"]
+    bottom_line(f"fused lookup {factor(local['fused'], local['unfused'])} than unfused; on uniform ids "
+                f"owner-gather sends {factor(og_sent, ar_sent, 'fewer bytes', 'more bytes')} than all-reduce "
+                f"({factor(og, ar)}), auto is {factor(uniform['auto'][0], uniform['dtensor'][0])} than "
+                f"DTensor RowwiseParallel")
 
 if __name__ == "__main__":
     main()

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import QUICK_HELP, bytes_of, fmt_bytes, sized, timed  # noqa: E402
+from common import QUICK_HELP, bottom_line, bytes_of, factor, fmt_bytes, ms, over, show, sized, table, timed  # noqa: E402
 
 from vocabpar import (  # noqa: E402
     ParallelLMHead,
@@ -34,15 +34,16 @@ from vocabpar.launch import run  # noqa: E402
 
 V, H = sized((129280, 1024), (8192, 256))
 SEQS, SEQ_LEN = sized((8, 512), (4, 128))  # the prefill
-WIDE, DECODE = sized((1024, 256), (256, 64))  # rows of the chunked-logits and DTensor comparisons
+WIDE, DECODE = sized((1024, 256), (1024, 64))  # rows of the chunked-logits and DTensor comparisons
 
 
 def peak_rss_delta(fn) -> int:
-    """Bytes by which this process's peak RSS rises above its current RSS while ``fn`` runs."""
+    """Bytes by which this process's peak RSS rises above its current RSS while ``fn`` runs (0
+    where it does not)."""
     rss.reset_peak()
     before = rss.status_bytes("VmRSS")
     fn()
-    return rss.status_bytes("VmHWM") - before
+    return max(0, rss.status_bytes("VmHWM") - before)  # below 0: noise, RSS shrank meanwhile
 
 
 def bench(reps: int) -> dict:
@@ -122,30 +123,32 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = parser.parse_args()
     res = run(bench, args.ranks, args.reps, timeout=900, run_timeout=1800)[0]
-    print(f"### LM head: {args.ranks} gloo ranks, V={V}, H={H}, bf16 weights, FP32 logits\n")
+    show(f"### LM head: {args.ranks} gloo ranks, V={V}, H={H}, bf16 weights, FP32 logits")
     p = res["prefill"]
-    print(f"prefill {SEQS} x {SEQ_LEN} tokens: head on all {SEQS * SEQ_LEN} rows "
-          f"{p['all rows'] * 1e3:.1f} ms, on the {SEQS} last rows {p['last rows'] * 1e3:.2f} ms: "
-          f"{p['all rows'] / p['last rows']:.0f}x\n")
-    print("| DP attention, 64 rows/rank | ms | sent / rank 0 | received / rank 0 |\n|---|---|---|---|")
-    for scatter, (sec, (sent, recv)) in res["dp"].items():
-        print(f"| dp_gather_scatter, scatter={scatter} | {sec * 1e3:.1f} | {fmt_bytes(sent)} | "
-              f"{fmt_bytes(recv)} |")
+    show(f"prefill {SEQS} x {SEQ_LEN} tokens: head on all {SEQS * SEQ_LEN} rows {ms(p['all rows'])} ms, "
+         f"on the {SEQS} last rows {ms(p['last rows'], 2)} ms: {over(p['all rows'], p['last rows'], 0)}")
+    table(["DP attention, 64 rows/rank", "ms", "sent / rank 0", "received / rank 0"],
+          [[f"dp_gather_scatter, scatter={scatter}", ms(sec), fmt_bytes(sent), fmt_bytes(recv)]
+           for scatter, (sec, (sent, recv)) in res["dp"].items()])
     a2a, ag = res["dp"]["all_to_all"], res["dp"]["all_gather"]
-    x = res["dp_exchange"]
-    print(f"\nall_to_all is {ag[0] / a2a[0]:.2f}x faster end to end (head GEMM included) and receives "
-          f"{ag[1][1] / a2a[1][1]:.2f}x fewer bytes than all-gather-then-scatter; the row return alone "
-          f"(precomputed logits): {x['all_to_all'] * 1e3:.1f} ms vs {x['all_gather'] * 1e3:.1f} ms, "
-          f"{x['all_gather'] / x['all_to_all']:.2f}x\n")
+    e = res["dp_exchange"]
+    show(f"all_to_all is {factor(a2a[0], ag[0])} end to end (head GEMM included) and receives "
+         f"{factor(a2a[1][1], ag[1][1], 'fewer bytes', 'more bytes')} than all-gather-then-scatter; the row "
+         f"return alone "
+         f"(precomputed logits): {ms(e['all_to_all'])} ms vs {ms(e['all_gather'])} ms, "
+         f"{over(e['all_gather'], e['all_to_all'], 2)}")
     m = res["memory"]
-    print(f"B={WIDE} FP32 logits, per-row logsumexp: peak RSS rise chunked "
-          f"{fmt_bytes(m['chunked (chunk_rows=64)'])} vs whole {fmt_bytes(m['whole'])}: "
-          f"{m['chunked (chunk_rows=64)'] / m['whole']:.3f} of unchunked\n")
+    chunked, whole = m["chunked (chunk_rows=64)"], m["whole"]
+    show(f"B={WIDE} FP32 logits, per-row logsumexp: peak RSS rise chunked {fmt_bytes(chunked)} vs whole "
+         f"{fmt_bytes(whole)}: {chunked / max(whole, 1):.3f} of unchunked")
     d = res["dtensor"]
     ours, theirs = d["vocabpar all_gather (fp32 logits)"], d["DTensor ColwiseParallel (bf16 logits)"]
-    print(f"B={DECODE} head + all-gather: vocabpar {ours * 1e3:.1f} ms (FP32 logits), DTensor "
-          f"ColwiseParallel {theirs * 1e3:.1f} ms (bf16 logits): {theirs / ours:.2f}x")
-
+    show(f"B={DECODE} head + all-gather: vocabpar {ms(ours)} ms (FP32 logits), DTensor ColwiseParallel "
+         f"{ms(theirs)} ms (bf16 logits): {over(theirs, ours, 2)}")
+    bottom_line(f"prefill head on the last rows {factor(p['last rows'], p['all rows'])} than on all rows; DP "
+                f"attention's all-to-all receives {factor(a2a[1][1], ag[1][1], 'fewer bytes', 'more bytes')} "
+                f"than all-gather-then-scatter ({factor(a2a[0], ag[0])}); chunked logits' peak RSS rise "
+                f"{chunked / max(whole, 1):.2f} of whole")
 
 if __name__ == "__main__":
     main()

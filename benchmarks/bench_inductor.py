@@ -1,5 +1,5 @@
 """What Inductor's C++ charges for, side by side on one shard: the choices the sampler's compiled
-passes (``vocabpar.sampling.fused``) make against the plain form of the same pass.
+passes (``vocabpar.kernels.fused``) make against the plain form of the same pass.
 
 Run: ``.venv/bin/python benchmarks/bench_inductor.py [--quick]``. One process, one thread, one
 rank's FP32 shard of B=256 rows and V/4 = 32320 columns of N(0, 1) logits (quick: 16 x 4096);
@@ -27,13 +27,24 @@ from pathlib import Path
 
 import torch
 
-from vocabpar.host_reads import counting
-from vocabpar.sampling import fused
+from vocabpar.kernels import fused
 from vocabpar.sampling.noise import row_keys
 from vocabpar.sampling.semantics import mass_bits, mass_shift
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import QUICK_HELP, sized  # noqa: E402
+from common import (  # noqa: E402
+    QUICK,
+    QUICK_HELP,
+    bottom_line,
+    factor,
+    host_reads,
+    over,
+    passes_note,
+    show,
+    sized,
+    stored_passes,
+    table,
+)
 
 B, V = sized((256, 129280), (16, 16384))
 R = V // 4
@@ -49,7 +60,7 @@ def _mask_int32(x: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
 
 def _int64_bins(x: torch.Tensor, real: torch.Tensor, weight: torch.Tensor | None, shift: torch.Tensor,
                 bits: torch.Tensor, prefix: torch.Tensor, top: int, pieces: int) -> torch.Tensor:
-    """:func:`vocabpar.sampling.fused.histogram` with one int64 scatter-add (``pieces`` 0), or
+    """:func:`vocabpar.kernels.fused.histogram` with one int64 scatter-add (``pieces`` 0), or
     in ``pieces`` int32 pieces of 16 bits."""
     column, added, _ = fused._digits(fused._shard_keys(x, real), fused._real_weight(real, weight),
                                      shift[:, None], bits[:, None], prefix[:, None], top)
@@ -117,15 +128,27 @@ def main() -> None:
         "row noise keys: eager ops vs one pass": (
             lambda: row_keys(seeds, positions), lambda: fused.sample_keys(seeds, positions)),
     }
-    print(f"one process, one thread, FP32 shard [{B}, {R}] of V={V}, compiled passes; ms = median of 5 calls")
-    print(f"{'pass':44s} {'other ms':>9s} {'shipped ms':>10s} {'ratio':>6s} {'reads':>5s}")
-    for name, (plain, shipped) in pairs.items():
-        assert _same(plain(), shipped()), name
-        with counting() as reads:
-            shipped()
-        a, b = _ms(plain), _ms(shipped)
-        print(f"{name:44s} {a:9.2f} {b:10.2f} {a / b:5.1f}x {sum(reads.values()):5d}")
+    measured, rows = {}, []
+    with stored_passes() as eager:
+        for name, (plain, shipped) in pairs.items():
+            assert _same(plain(), shipped()), name
+            reads = host_reads(shipped)
+            measured[name] = a, b = _ms(plain), _ms(shipped)
+            rows.append([name, f"{a:.2f}", f"{b:.2f}", over(a, b), reads])
+    show(f"one process, one thread, FP32 shard [{B}, {R}] of V={V}, compiled passes; ms = median of 5 calls"
+         + (f"; {passes_note(eager)}" if QUICK else ""))
+    table(["pass", "other ms", "shipped ms", "ratio", "reads"], rows)
+    bottom_line(_verdict(measured))
 
+
+def _verdict(measured: dict[str, tuple[float, float]]) -> str:
+    """The bottom line from each pair's (other, shipped) milliseconds: how many shipped forms are
+    faster, and the range of the ratios."""
+    order = sorted(measured, key=lambda n: measured[n][0] / measured[n][1])
+    faster = sum(a > b for a, b in measured.values())
+    return (f"the shipped form is faster in {faster} of {len(measured)} pairs: from "
+            f"{factor(*measured[order[0]][::-1])} ({order[0]}) to {factor(*measured[order[-1]][::-1])} "
+            f"({order[-1]})")
 
 if __name__ == "__main__":
     main()

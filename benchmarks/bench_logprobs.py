@@ -10,7 +10,7 @@ and run in the same processes on the same inputs, side by side:
   [256, V] FP32 rows on every rank, then ``log_softmax``, the targets' values and ``topk``;
 * head: the local head GEMM per chunk alone, the floor both paths share;
 * eager: the sharded path with top-n, its compiled pass (the rank keys) run eager
-  (``vocabpar.sampling.fused``; the results are asserted equal).
+  (``vocabpar.kernels.fused``; the results are asserted equal).
 
 Times are a full scoring pass (head GEMM included), slowest rank, median of ``--reps``
 passes after a one-chunk warm-up; bytes and calls are exact ``vocabpar.comm`` counters per rank
@@ -40,7 +40,19 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import QUICK_HELP, fmt_bytes, sized  # noqa: E402
+from common import (  # noqa: E402
+    QUICK_HELP,
+    bottom_line,
+    factor,
+    fmt_bytes,
+    host_reads,
+    ms,
+    passes_note,
+    show,
+    sized,
+    stored_passes,
+    table,
+)
 
 from vocabpar import (  # noqa: E402
     ParallelLMHead,
@@ -52,9 +64,8 @@ from vocabpar import (  # noqa: E402
     rss,
     token_logprobs,
 )
-from vocabpar.host_reads import counting  # noqa: E402
+from vocabpar.kernels import fused  # noqa: E402
 from vocabpar.launch import run  # noqa: E402
-from vocabpar.sampling import fused  # noqa: E402
 
 V, H, N = sized((129280, 1024, 4), (8192, 256, 2))
 T, CHUNK = 8192, 256
@@ -140,6 +151,12 @@ def _measure(fn, reps: int) -> dict:
 
 
 def bench(tokens: int, reps: int, mmap_threshold: int) -> dict:
+    with stored_passes() as eager:
+        out = _paths(tokens, reps, mmap_threshold)
+    return out | {"note": passes_note(eager)}
+
+
+def _paths(tokens: int, reps: int, mmap_threshold: int) -> dict:
     if mmap_threshold and _libc is not None:
         _libc.mallopt(-3, mmap_threshold)  # M_MMAP_THRESHOLD; also stops glibc's dynamic raising
     layout, head, hidden, targets = _setup(tokens)
@@ -148,9 +165,9 @@ def bench(tokens: int, reps: int, mmap_threshold: int) -> dict:
     first = slice(0, CHUNK)
     res["reads"] = {}
     for top_n in TOP_NS:
-        with counting() as reads:  # host reads of one chunk's call (untimed: the counter slows ops)
-            a = _sharded(head, layout, hidden[first], targets[first], top_n)
-        res["reads"][top_n] = sum(reads.values())
+        chunk = lambda k=top_n: _sharded(head, layout, hidden[first], targets[first], k)  # noqa: E731
+        a = chunk()
+        res["reads"][top_n] = host_reads(chunk)  # of one chunk's call (untimed: the counter slows ops)
         _gathered(head, hidden[first], targets[first], top_n)
     full = compute_logits(head, hidden[first], strategy="all_gather")
     chosen = full.gather(1, targets[first, None])
@@ -202,57 +219,63 @@ def main() -> None:
     shard_block, full_block = tokens * r0["shard_width"] * 4, tokens * V * 4
     allocator = f"mmap threshold fixed at {args.mmap_threshold:,} B" if args.mmap_threshold \
         else "glibc default allocator"
-    print(f"T={tokens} V={V} H={H} ranks={N} gloo, FP32 head, {chunks} chunks of {CHUNK} rows; ms = full "
-          f"pass, slowest rank, median of {args.reps}; bytes = received per rank per pass; {allocator}")
-    print(f"unchunked gather would hold [T, V] FP32 = {fmt_bytes(full_block)} per rank; "
-          f"one [T, V/{N}] FP32 block (the local shard) = {fmt_bytes(shard_block)}")
-    print(f"{'path':<8}{'top_n':>6}{'ms/pass':>9}{'received B':>15}{'all_gather':>11}{'all_reduce':>11}"
-          f"{'agreement B':>12}{'(calls)':>8}{'peak RSS rise':>15}{'/ [T,V/n]':>10}")
+    show(f"T={tokens} V={V} H={H} ranks={N} gloo, FP32 head, {chunks} chunks of {CHUNK} rows; ms = full "
+         f"pass, slowest rank, median of {args.reps}; bytes = received per rank per pass; {allocator}; "
+         f"{r0['note'] or 'passes compiled'}")
+    show(f"unchunked gather would hold [T, V] FP32 = {fmt_bytes(full_block)} per rank; "
+         f"one [T, V/{N}] FP32 block (the local shard) = {fmt_bytes(shard_block)}")
     rows = [("head", "-", [r["head"] for r in per_rank])]
     rows += [(path, top_n, [r[top_n][path] for r in per_rank])
              for top_n in TOP_NS for path in ("sharded", "gather")]
     rows.append(("eager", max(TOP_NS), [r["eager"] for r in per_rank]))
-    for path, top_n, ms in rows:
-        m = ms[0]
+    cells = []
+    for path, top_n, measured in rows:
+        m = measured[0]
         calls = {k: c[0] for k, c in m["traffic"].items()}
         agr = m["traffic"].get("agreement", (0, 0, 0))
-        recv = max(_received(x["traffic"]) for x in ms)
-        rise = max(x["rise"] for x in ms)
-        print(f"{path:<8}{top_n:>6}{m['s'] * 1e3:>9.0f}{recv:>15,}{calls.get('all_gather', 0):>11}"
-              f"{calls.get('all_reduce', 0):>11}{agr[2]:>12,}{agr[0]:>8}{fmt_bytes(rise):>15}"
-              f"{rise / shard_block:>10.3f}")
+        rise = max(r["rise"] for r in measured)
+        cells.append([path, top_n, ms(m["s"], 0), f"{max(_received(r['traffic']) for r in measured):,}",
+                      calls.get("all_gather", 0), calls.get("all_reduce", 0), f"{agr[2]:,}", agr[0],
+                      fmt_bytes(rise), f"{rise / shard_block:.3f}"])
+    table(["path", "top_n", "ms/pass", "received B", "all_gather", "all_reduce", "agreement B", "(calls)",
+           "peak RSS rise", "/ [T,V/n]"], cells, drop=["agreement B", "(calls)"])
     for top_n in TOP_NS:
         s, g = r0[top_n]["sharded"], r0[top_n]["gather"]
         rs, rg = (max(r[top_n][p]["rise"] for r in per_rank) for p in ("sharded", "gather"))
         per_call = ", ".join(f"{k} {c[2] // chunks:,} B" for k, c in sorted(s["traffic"].items()))
         bytes_x = _received(g["traffic"]) / _received(s["traffic"])
-        print(f"top_n={top_n}: gather/sharded: time {g['s'] / s['s']:.2f}x, bytes {bytes_x:,.0f}x, "
-              f"peak RSS rise {rg / max(rs, 1):.1f}x; "
-              f"[T, V/{N}] block / sharded rise {shard_block / max(rs, 1):.1f}x (target >= 8x)")
+        show(f"top_n={top_n}: gather/sharded: time {g['s'] / s['s']:.2f}x, bytes {bytes_x:,.0f}x, "
+             f"peak RSS rise {rg / max(rs, 1):.1f}x; "
+             f"[T, V/{N}] block / sharded rise {shard_block / max(rs, 1):.1f}x (target >= 8x)")
         head = r0["head"]["s"]
         reads = max(r["reads"][top_n] for r in per_rank)
-        print(f"  sharded: {reads} host reads per chunk's call (busiest rank)")
-        print(f"  beyond the head GEMM ({head * 1e3:.0f} ms): sharded {(s['s'] - head) * 1e3:.0f} ms, gather "
-              f"{(g['s'] - head) * 1e3:.0f} ms ({(g['s'] - head) / max(s['s'] - head, 1e-9):.1f}x); sharded, "
-              f"received per chunk (1 call each): {per_call}")
+        show(f"  sharded: {reads} host reads per chunk's call (busiest rank)")
+        show(f"  beyond the head GEMM ({head * 1e3:.0f} ms): sharded {(s['s'] - head) * 1e3:.0f} ms, gather "
+             f"{(g['s'] - head) * 1e3:.0f} ms ({(g['s'] - head) / max(s['s'] - head, 1e-9):.1f}x); sharded, "
+             f"received per chunk (1 call each): {per_call}")
     head, top = r0["head"]["s"], max(TOP_NS)
     extra = {name: (r0[top][name]["s"] if name != "eager" else r0["eager"]["s"]) - head
              for name in ("sharded", "eager")}
     plain = r0[0]["sharded"]["s"] - head
     equal, compiling = all(r["eager equal"] for r in per_rank), max(r["compile s"] for r in per_rank)
-    print(f"sharded beyond the head GEMM, top_n={top} / top_n=0: {extra['sharded'] / plain:.2f}x compiled "
-          f"(target <= 2x), {extra['eager'] / plain:.2f}x eager (results equal: {equal}); "
-          f"compile s {compiling:.1f}")
+    show(f"sharded beyond the head GEMM, top_n={top} / top_n=0: {extra['sharded'] / plain:.2f}x compiled "
+         f"(target <= 2x), {extra['eager'] / plain:.2f}x eager (results equal: {equal}); "
+         f"compile s {compiling:.1f}")
     for top_n in TOP_NS:
         v = r0[top_n]
-        print(f"check top_n={top_n}: max |logprob diff| {v['diff']:.2e} (max |LSE| {v['max |lse|']:.1f}, "
-              f"relative {v['diff'] / v['max |lse|']:.1e})"
-              + (f", max |top-logprob diff| {v['top diff']:.2e}, top ids equal on "
-                 f"{v['top ids equal']}/{tokens} rows" if top_n else ""))
+        show(f"check top_n={top_n}: max |logprob diff| {v['diff']:.2e} (max |LSE| {v['max |lse|']:.1f}, "
+             f"relative {v['diff'] / v['max |lse|']:.1e})"
+             + (f", max |top-logprob diff| {v['top diff']:.2e}, top ids equal on "
+                f"{v['top ids equal']}/{tokens} rows" if top_n else ""))
     ranks_ok = all(r["ranks equal"] for r in per_rank)
-    print(f"ranks of the first chunk equal to counting on full rows: {ranks_ok}; "
-          f"malloc_trim before each pass: {r0['trimmed']}")
-
+    show(f"ranks of the first chunk equal to counting on full rows: {ranks_ok}; "
+         f"malloc_trim before each pass: {r0['trimmed']}")
+    s, g = r0[0]["sharded"], r0[0]["gather"]
+    rise = max(r[0]["sharded"]["rise"] for r in per_rank)
+    memory = f"peak RSS rise {fmt_bytes(rise)}, {rise / shard_block:.2f} of one [T, V/{N}] block"
+    bottom_line(f"scoring T={tokens} tokens on shards {factor(s['s'], g['s'])} than gather + log-softmax, "
+                f"{factor(_received(s['traffic']), _received(g['traffic']), 'fewer bytes', 'more bytes')} "
+                f"received; {memory}")
 
 if __name__ == "__main__":
     main()

@@ -1,8 +1,9 @@
-"""Where a sampler call's local time goes: each fused pass (``vocabpar.sampling.fused``, compiled)
+"""Where a sampler call's local time goes: each fused pass (``vocabpar.kernels.fused``, compiled)
 against the rest (eager glue: candidates, gathers of listed tokens, small ops), on 4 local gloo
 ranks (B=256, V=129280, FP32; the configurations and logits of ``bench_sampling.py``).
 
-Run: ``.venv/bin/python benchmarks/bench_passes.py``. Per configuration and sampler (the
+Run: ``.venv/bin/python benchmarks/bench_passes.py [--quick]`` (``--quick``: the quick sizes of
+``bench_sampling.py``, three configurations). Per configuration and sampler (the
 functional ``sample()`` and the engine ``Sampler``), after two warm-up calls, one call with every
 pass timed (wall ms on the slowest rank, 2 ranks per core) beside the floor (one row-max pass plus
 an all-gather of 16 bytes per row); the rest split into ``wire`` (inside vocabpar's collectives,
@@ -33,15 +34,18 @@ from pathlib import Path
 import torch
 
 from vocabpar import SamplingParams, VocabLayout, comm, sample
+from vocabpar.kernels import fused
 from vocabpar.launch import run
-from vocabpar.sampling import Sampler, fused, search, sharded
+from vocabpar.sampling import Sampler, search, sharded
 from vocabpar.wire.scripts import candidate_count
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_sampling as bs  # noqa: E402
+from common import bottom_line, host_reads, ms, over, passes_note, show, sized, stored_passes, table  # noqa: E402
 
-NAMES = ("top-p 0.9 (flat)", "top-p 0.9 (zipf)", "top-k 1000 (peaked)", "min-p 0.1 (flat)",
-         "top-p 0.9 (peaked)", "t0.8 k50 p0.95 minp0.05")
+NAMES = sized(("top-p 0.9 (flat)", "top-p 0.9 (zipf)", "top-k 1000 (peaked)", "min-p 0.1 (flat)",
+               "top-p 0.9 (peaked)", "t0.8 k50 p0.95 minp0.05"),
+              ("top-p 0.9 (flat)", "top-k 1000 (peaked)", "t0.8 k50 p0.95 minp0.05"))
 
 
 def _warm_then_time(fn) -> tuple[float, object]:
@@ -143,6 +147,12 @@ def _checks(local: torch.Tensor, real: torch.Tensor, c: int) -> tuple[float, flo
 
 
 def _job(names: tuple[str, ...]) -> dict:
+    with stored_passes() as eager:
+        out = _calls(names)
+    return out | {"note": passes_note(eager)}
+
+
+def _calls(names: tuple[str, ...]) -> dict:
     layout = VocabLayout(bs.V, bs.N)
     pos = torch.arange(bs.B)
     sampler = Sampler(layout, max_rows=bs.B)
@@ -169,7 +179,7 @@ def _job(names: tuple[str, ...]) -> dict:
             bs._floor(local)
             floor = time.perf_counter() - start
             with comm.recording() as sent:  # an untimed call: the read counter slows every op
-                reads = bs._reads(fn)
+                reads = host_reads(fn)
             out[name, which] = (total, dict(spent), floor, len(sent), reads, sum(b for _, b in sent))
         for alternative, (module, constant, values, *_) in ALTERNATIVES.items():
             out[name, alternative] = _side_by_side(paths[0][1], module, constant, values)
@@ -181,37 +191,52 @@ def _job(names: tuple[str, ...]) -> dict:
     return out
 
 
+def _share(rows: list[tuple[float, dict[str, float]]]) -> str:
+    """The bottom line from (total seconds, seconds per part) of each call: what share of the
+    summed time the passes take, and each other part."""
+    total = sum(t for t, _ in rows)
+    parts = {part: sum(p.get(part, 0.0) for _, p in rows) / total for part in ("passes", *PARTS, "glue")}
+    rest = ", ".join(f"{part} {share:.0%}" for part, share in parts.items() if part != "passes")
+    return (f"the compiled passes take {parts['passes']:.0%} of a sampler call's time (both samplers, "
+            f"{len(rows) // 2} configurations, {total * 1e3:.0f} ms in all); the rest: {rest}")
+
+
 def main() -> None:
     per_rank = run(_job, bs.N, NAMES, run_timeout=1800, timeout=300)
-    print(f"B={bs.B} V={bs.V} ranks={bs.N} gloo, FP32; one call, slowest rank; ms")
-    for key in [k for k in per_rank[0] if k not in ("select", "checks") and k[1] not in ALTERNATIVES]:
+    show(f"B={bs.B} V={bs.V} ranks={bs.N} gloo, FP32; one call, slowest rank; ms; "
+         f"{per_rank[0]['note'] or 'passes compiled'}")
+    rows, shares = [], []
+    for key in [k for k in per_rank[0] if isinstance(k, tuple) and k[1] not in ALTERNATIVES]:
         total, spent, floor, calls, *_ = max(per_rank, key=lambda r: r[key][0])[key]
         reads, received = (max(r[key][i] for r in per_rank) for i in (4, 5))
         parts = {part: spent.pop(part, 0.0) for part in PARTS}
         passes = sum(spent.values())
         glue = total - passes - sum(parts.values())
-        top = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in sorted(spent.items(), key=lambda kv: -kv[1]))
-        rest = " ".join(f"{part} {seconds * 1e3:4.0f}" for part, seconds in parts.items())
-        print(f"{key[0]:<24}{key[1]:<7} coll {calls} bytes {received:>10,} reads {reads:>3}  "
-              f"total {total * 1e3:6.0f}  passes {passes * 1e3:5.0f}  rest {(total - passes) * 1e3:5.0f} "
-              f"({rest} glue {glue * 1e3:4.0f})  "
-              f"floor {floor * 1e3:5.1f} | {top}")
+        shares.append((total, parts | {"passes": passes, "glue": glue}))
+        top = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(spent.items(), key=lambda kv: -kv[1]))
+        rows.append([key[0], key[1], calls, f"{received:,}", reads, ms(total), ms(passes), ms(total - passes),
+                     *(ms(parts[p]) for p in PARTS), ms(glue), ms(floor), top])
+    table(["config", "path", "coll", "bytes", "reads", "total", "passes", "rest", *PARTS, "glue", "floor",
+           "passes, slowest first"], rows,
+          drop=["passes, slowest first", "bytes", "reads", "compact", "rest"])
     c = per_rank[0]["select"][0]
     topk, radix = (max(r["select"][i] for r in per_rank) for i in (1, 2))
-    print(f"round one's selection of c={c} candidates per row of the shard (peaked rows; no collectives), "
-          f"slowest rank; ms\ntopk {topk * 1e3:6.1f}  radix select's passes "
-          f"(3 histogram rounds + members, compiled) {radix * 1e3:6.1f}  ({radix / topk:.2f}x)")
+    show(f"round one's selection of c={c} candidates per row of the shard (peaked rows; no collectives), "
+         f"slowest rank; ms: topk {ms(topk)}, radix select's passes (3 histogram rounds + members, "
+         f"compiled) {ms(radix)} ({over(radix, topk, 2)})")
     compiled, eager = (max(r["checks"][i] for r in per_rank) for i in (0, 1))
-    print(f"the engine's round-one checks of the shard (NaN, ties at the c-th candidate), slowest rank; ms\n"
-          f"one pass compiled {compiled * 1e3:6.1f}  the same ops eager {eager * 1e3:6.1f}  "
-          f"({eager / compiled:.2f}x)")
+    show(f"the engine's round-one checks of the shard (NaN, ties at the c-th candidate), slowest rank; "
+         f"ms: one pass compiled {ms(compiled)}, the same ops eager {ms(eager)} ({over(eager, compiled, 2)})")
     for alternative, (*_, other, shipped, what) in ALTERNATIVES.items():
-        print(f"functional sample(), {what}; one call each, slowest rank; ms")
+        show(f"functional sample(), {what}; one call each, slowest rank; ms")
+        rows = []
         for name in NAMES:
             a, b = (max(r[name, alternative][i] for r in per_rank) for i in (0, 1))
-            equal = all(r[name, alternative][2] for r in per_rank)
-            print(f"{name:<24} {other} {a * 1e3:6.0f}  {shipped} {b * 1e3:6.0f}  ({a / b:.2f}x)  "
-                  f"same tokens: {equal}")
+            same = all(r[name, alternative][2] for r in per_rank)
+            rows.append([name, ms(a), ms(b), over(a, b, 2), same])
+        table(["config", other, shipped, "ratio", "same tokens"], rows)
+    bottom_line(_share(shares))
+
 
 if __name__ == "__main__":
     main()

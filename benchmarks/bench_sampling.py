@@ -3,7 +3,7 @@
 Run: ``.venv/bin/python benchmarks/bench_sampling.py [--iters N] [--quick]``. For each configuration the
 three paths -- the functional ``sample()`` (adaptive), the engine ``Sampler`` (fixed script, no
 host read, its check folded in) and gather-then-sample -- run in the same processes on the same
-logits, the first two with their local passes compiled (``vocabpar.sampling.fused``; the first
+logits, the first two with their local passes compiled (``vocabpar.kernels.fused``; the first
 call of each pass in each rank compiles it, in the warm-up, and ``compile s`` is that time) and
 eager (``VOCABPAR_COMPILE=0``: the same tokens, asserted); ``reads`` counts host reads of device
 values per call (``vocabpar.host_reads``: each one a device synchronisation on a GPU); times are
@@ -24,12 +24,27 @@ from pathlib import Path
 import torch
 
 from vocabpar import SamplingParams, VocabLayout, comm, sample
-from vocabpar.host_reads import counting
+from vocabpar.kernels import fused
 from vocabpar.launch import run
-from vocabpar.sampling import Sampler, fused
+from vocabpar.sampling import Sampler
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import QUICK_HELP, measure, seconds, sized  # noqa: E402
+from common import (  # noqa: E402
+    QUICK_HELP,
+    bottom_line,
+    host_reads,
+    measure,
+    ms,
+    over,
+    passes_note,
+    ratio,
+    seconds,
+    show,
+    sized,
+    stored_passes,
+    table,
+    verdict,
+)
 
 B, V, N = sized((256, 129280, 4), (32, 8192, 2))
 
@@ -42,6 +57,9 @@ CONFIGS = {
     "top-k 1000 (peaked)": ("peaked", SamplingParams(top_k=1000)),
     "min-p 0.1 (flat)": ("flat", SamplingParams(min_p=0.1)),
 }
+RUN = sized(tuple(CONFIGS), ("greedy", "t0.8 k50 p0.95 minp0.05", "top-p 0.9 (flat)", "top-k 1000 (peaked)",
+                             "min-p 0.1 (flat)"))
+"""The configurations measured (``--quick``: five, one per path of the sampler)."""
 
 
 def _logits(kind: str, layout: VocabLayout) -> torch.Tensor:
@@ -81,18 +99,19 @@ def _floor(local: torch.Tensor) -> torch.Tensor:
     return comm.all_gather(pairs)
 
 
-def _reads(fn) -> int:
-    with counting() as reads:
-        fn()
-    return sum(reads.values())
-
-
 def _bench(iters: int) -> dict:
+    with stored_passes() as eager:
+        out = _configs(iters)
+    return out | {"note": passes_note(eager)}
+
+
+def _configs(iters: int) -> dict:
     layout = VocabLayout(V, N)
     sampler = Sampler(layout, max_rows=B)
     pos = torch.arange(B)
     out = {}
-    for name, (kind, params) in CONFIGS.items():
+    for name in RUN:
+        kind, params = CONFIGS[name]
         local = _logits(kind, layout)
         p = SamplingParams(**{**params.__dict__, "seed": list(range(B))})
         batch = sampler.prepare(p, positions=pos)
@@ -108,7 +127,7 @@ def _bench(iters: int) -> dict:
             "engine": measure(engine, iters),
             **eager,
             "gather": measure(lambda local=local, q=params: _gather_then_sample(local, layout, q), iters),
-            "reads": (_reads(functional), _reads(engine)),
+            "reads": (host_reads(functional), host_reads(engine)),
         }
     out["compile"] = dict(fused.COMPILE_SECONDS)
     return out
@@ -116,45 +135,47 @@ def _bench(iters: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=sized(3, 1))
+    ap.add_argument("--iters", type=int, default=sized(3, 2))
     ap.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = ap.parse_args()
     per_rank = run(_bench, N, args.iters, run_timeout=1800, timeout=300)
-    print(f"B={B} V={V} ranks={N} gloo, FP32; time = slowest rank, mean of {args.iters} steps; "
-          "bytes = sent per rank per step")
-    head = f"{'config':<26}{'coll':>5}{'reads':>6}{'sharded ms':>11}{'gather ms':>11}{'speed-up':>9}" \
-           f"{'sharded B':>11}{'gather B':>12}{'bytes x':>9}{'sh/floor':>9}{'ga/floor':>9}{'eager ms':>10}" \
-           f"{'eag/cmp':>8}"
-    print("functional sample() (adaptive) vs gather-then-sample")
-    print(head)
-    for name in CONFIGS:
+    show(f"B={B} V={V} ranks={N} gloo, FP32; time = slowest rank, mean of {args.iters} steps; "
+         f"bytes = sent per rank per step; {per_rank[0]['note'] or 'passes compiled'}")
+    show("functional sample() (adaptive) vs gather-then-sample")
+    rows, times, sent = [], {}, {}
+    for name in RUN:
         t = {k: max(r[name][k][0] for r in per_rank) for k in ("floor", "sharded", "gather")}
         eager = max(r[name]["sharded eager"] for r in per_rank)
         b = {k: per_rank[0][name][k][1] for k in ("sharded", "gather")}
         calls = max(r[name]["sharded"][2] for r in per_rank)
         reads = max(r[name]["reads"][0] for r in per_rank)
-        print(f"{name:<26}{calls:>5}{reads:>6}{t['sharded'] * 1e3:>11.1f}{t['gather'] * 1e3:>11.1f}"
-              f"{t['gather'] / t['sharded']:>8.1f}x"
-              f"{b['sharded']:>11,}{b['gather']:>12,}{b['gather'] / max(b['sharded'], 1):>8.0f}x"
-              f"{t['sharded'] / t['floor']:>8.1f}x{t['gather'] / t['floor']:>8.1f}x{eager * 1e3:>10.1f}"
-              f"{eager / t['sharded']:>7.1f}x")
-    print("\nengine Sampler (fixed script, check folded in) vs the functional sample()")
-    print(f"{'config':<26}{'coll':>5}{'reads':>6}{'engine ms':>10}{'engine B':>12}{'eng/floor':>10}"
-          f"{'eng/func':>9}{'eager ms':>10}{'eag/cmp':>8}")
-    for name in CONFIGS:
+        times[name], sent[name] = (t["sharded"], t["gather"]), (b["sharded"], b["gather"])
+        rows.append([name, calls, reads, ms(t["sharded"]), ms(t["gather"]), over(t["gather"], t["sharded"]),
+                     f"{b['sharded']:,}", f"{b['gather']:,}", ratio(b["gather"], b["sharded"]),
+                     over(t["sharded"], t["floor"]), over(t["gather"], t["floor"]), ms(eager),
+                     over(eager, t["sharded"])])
+    table(["config", "coll", "reads", "sharded ms", "gather ms", "speed-up", "sharded B", "gather B",
+           "bytes x", "sh/floor", "ga/floor", "eager ms", "eag/cmp"], rows,
+          drop=["sharded B", "gather B", "ga/floor", "eager ms", "reads"])
+    show("\nengine Sampler (fixed script, check folded in) vs the functional sample()")
+    rows = []
+    for name in RUN:
         t = {k: max(r[name][k][0] for r in per_rank) for k in ("floor", "sharded", "engine")}
         calls = max(r[name]["engine"][2] for r in per_rank)
         reads = max(r[name]["reads"][1] for r in per_rank)
         eager = max(r[name]["engine eager"] for r in per_rank)
-        print(f"{name:<26}{calls:>5}{reads:>6}{t['engine'] * 1e3:>10.1f}{per_rank[0][name]['engine'][1]:>12,}"
-              f"{t['engine'] / t['floor']:>9.1f}x{t['engine'] / t['sharded']:>8.1f}x{eager * 1e3:>10.1f}"
-              f"{eager / t['engine']:>7.1f}x")
+        rows.append([name, calls, reads, ms(t["engine"]), f"{per_rank[0][name]['engine'][1]:,}",
+                     over(t["engine"], t["floor"]), over(t["engine"], t["sharded"]), ms(eager),
+                     over(eager, t["engine"])])
+    table(["config", "coll", "reads", "engine ms", "engine B", "eng/floor", "eng/func", "eager ms",
+           "eag/cmp"], rows, drop=["engine B", "eager ms", "reads"])
     floor = max(r["greedy"]["floor"][0] for r in per_rank)
-    print(f"floor (row max + all-gather of 16 B/row): {floor * 1e3:.1f} ms")
+    show(f"floor (row max + all-gather of 16 B/row): {floor * 1e3:.1f} ms")
     passes = sorted({p for r in per_rank for p in r["compile"]})
     compile_s = {p: max(r["compile"].get(p, 0.0) for r in per_rank) for p in passes}
-    print(f"compile s (first call of each pass, slowest rank; {sum(compile_s.values()):.1f} s in all): "
-          + ", ".join(f"{p} {s:.1f}" for p, s in compile_s.items()))
+    show(f"compile s (first call of each pass, slowest rank; {sum(compile_s.values()):.1f} s in all): "
+         + (", ".join(f"{p} {s:.1f}" for p, s in compile_s.items()) or "none compiled"))
+    bottom_line(verdict("sampling on shards", "gather-then-sample", f"B={B}", times, sent))
 
 
 if __name__ == "__main__":

@@ -24,12 +24,26 @@ from pathlib import Path
 import torch
 
 from vocabpar import SamplingParams, VocabLayout, comm, sample, verify
-from vocabpar.host_reads import counting
+from vocabpar.kernels import fused
 from vocabpar.launch import run
-from vocabpar.sampling import fused
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import QUICK_HELP, measure, seconds, sized  # noqa: E402
+from common import (  # noqa: E402
+    QUICK_HELP,
+    bottom_line,
+    host_reads,
+    measure,
+    ms,
+    over,
+    passes_note,
+    ratio,
+    seconds,
+    show,
+    sized,
+    stored_passes,
+    table,
+    verdict,
+)
 
 B, V, N = sized((64, 129280, 4), (8, 8192, 2))
 
@@ -97,6 +111,12 @@ def _gather_then_verify(local_t, local_d, layout, params, drafts) -> torch.Tenso
 
 
 def _bench(iters: int, ks: list[int]) -> dict:
+    with stored_passes() as eager:
+        out = _cases(iters, ks)
+    return out | {"note": passes_note(eager)}
+
+
+def _cases(iters: int, ks: list[int]) -> dict:
     layout = VocabLayout(V, N)
     pos = torch.arange(B) * 3
     out = {}
@@ -133,29 +153,27 @@ def _bench(iters: int, ks: list[int]) -> dict:
 
             result = sharded()
             accepted = result.accepted.double().mean().item()
-            with counting() as reads:
-                sharded()
+            reads = host_reads(sharded)
             with fused.compiling(False):
                 assert torch.equal(sharded().tokens, result.tokens)
                 eager = seconds(sharded, iters)
             out[k, name] = {"sharded": measure(sharded, iters), "gather": measure(gathered, iters),
                             "sample": measure(sample_stacked, iters), "eager": eager,
-                            "reads": sum(reads.values()), "accepted": accepted}
+                            "reads": reads, "accepted": accepted}
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=sized(2, 1))
+    ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--k", type=int, nargs="+", default=sized([4, 16], [4]))
     ap.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = ap.parse_args()
     per_rank = run(_bench, N, args.iters, args.k, run_timeout=3600, timeout=600, threads_per_rank=1)
-    print(f"B={B} V={V} ranks={N} gloo, FP32; time = slowest rank, mean of {args.iters} steps; "
-          "bytes = sent per rank per step; accepted = mean drafts kept per row (sharded)")
-    print(f"{'k':>3} {'config':<27}{'coll':>5}{'reads':>6}{'sharded ms':>11}{'gather ms':>11}{'speed-up':>9}"
-          f"{'sharded B':>12}{'gather B':>14}{'bytes x':>9}{'accepted':>9}{'sample ms':>10}{'v/sample':>9}"
-          f"{'eager ms':>10}{'eag/cmp':>8}")
+    show(f"B={B} V={V} ranks={N} gloo, FP32; time = slowest rank, mean of {args.iters} steps; "
+         f"bytes = sent per rank per step; accepted = mean drafts kept per row (sharded); g coll = "
+         f"collectives of gather-then-verify; {per_rank[0]['note'] or 'passes compiled'}")
+    rows, times, sent = [], {}, {}
     for k in args.k:
         for name in CONFIGS:
             r0 = per_rank[0][k, name]
@@ -164,12 +182,16 @@ def main() -> None:
             reads = max(r[k, name]["reads"] for r in per_rank)
             calls = max(r[k, name]["sharded"][2] for r in per_rank)
             gathered = max(r[k, name]["gather"][2] for r in per_rank)
-            print(f"{k:>3} {name:<27}{calls:>5}{reads:>6}{t['sharded'] * 1e3:>11.1f}"
-                  f"{t['gather'] * 1e3:>11.1f}"
-                  f"{t['gather'] / t['sharded']:>8.1f}x{r0['sharded'][1]:>12,}{r0['gather'][1]:>14,}"
-                  f"{r0['gather'][1] / max(r0['sharded'][1], 1):>8.0f}x{r0['accepted']:>9.2f}"
-                  f"{t['sample'] * 1e3:>10.1f}{t['sharded'] / t['sample']:>8.1f}x{eager * 1e3:>10.1f}"
-                  f"{eager / t['sharded']:>7.1f}x   (gather: {gathered} coll)")
+            b = (r0["sharded"][1], r0["gather"][1])
+            times[f"k={k} {name}"], sent[f"k={k} {name}"] = (t["sharded"], t["gather"]), b
+            rows.append([name, k, calls, reads, ms(t["sharded"]), ms(t["gather"]),
+                         over(t["gather"], t["sharded"]), f"{b[0]:,}", f"{b[1]:,}", ratio(b[1], b[0]),
+                         f"{r0['accepted']:.2f}", ms(t["sample"]), over(t["sharded"], t["sample"]), ms(eager),
+                         over(eager, t["sharded"]), gathered])
+    table(["config", "k", "coll", "reads", "sharded ms", "gather ms", "speed-up", "sharded B", "gather B",
+           "bytes x", "accepted", "sample ms", "v/sample", "eager ms", "eag/cmp", "g coll"], rows,
+          drop=["sharded B", "gather B", "g coll", "sample ms", "eager ms", "reads", "accepted"])
+    bottom_line(verdict("verification on shards", "gather-then-verify", f"B={B}", times, sent))
 
 
 if __name__ == "__main__":
