@@ -1,7 +1,8 @@
 """Two torchrun agents on this machine act as two nodes (``--nnodes 2``, 2 processes each, c10d
-rendezvous on 127.0.0.1): the README's recipe, read from the README and run as written with a free
-port, passes the smoke script on all four processes (embedding, every collection strategy and
-the sharded sampler, whose tokens equal ``reference_sample`` on the full logits in one process)."""
+rendezvous on 127.0.0.1): the recipe of docs/many-ranks.md, read from that page and run as
+written with a free port, passes the smoke script on all four processes (embedding, every
+collection strategy and the sharded sampler, whose tokens equal ``reference_sample`` on the full
+logits in one process)."""
 
 import os
 import pathlib
@@ -14,8 +15,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def recipe() -> list[str]:
-    """The README's two-node commands, in order."""
-    lines = [line.rstrip(" &") for line in (ROOT / "README.md").read_text().splitlines()
+    """The two-node commands of docs/many-ranks.md, in order."""
+    lines = [line.rstrip(" &") for line in (ROOT / "docs" / "many-ranks.md").read_text().splitlines()
              if line.startswith("torchrun --nnodes 2 --node-rank")]
     assert len(lines) == 2, lines
     return lines
@@ -53,3 +54,4 @@ def test_two_torchrun_agents_pass_the_smoke_script():
     text = "\n".join(outputs)
     assert "4 ranks on cpu: all checks passed" in text, text
     assert "ok   sample tokens" in text and "FAIL" not in text
+    assert "terminate called" not in text and "leaked" not in text, text  # a clean exit, every process
