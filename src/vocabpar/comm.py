@@ -111,6 +111,11 @@ def reset_traffic() -> None:
 
 
 def _count(kind: str, sent: float, received: float) -> None:
+    """Book a collective's bytes. Not while a caller's ``torch.compile`` traces the call: a counter
+    read or written in the graph makes Dynamo guard on its value and compile again on every call
+    (a compiled step's traffic is its script's, :mod:`vocabpar.wire.scripts`)."""
+    if torch.compiler.is_compiling():
+        return
     c = _counters[_booking[-1] if _booking else kind]
     c.calls += 1
     c.sent += round(sent)

@@ -18,13 +18,12 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import TypeVar
 
 import torch
 
 from vocabpar.sampling.params import shard_hint
-from vocabpar.wire.records import INPUT_WORDS
+from vocabpar.wire.records import INPUT_WORDS, Unpacked
 
 ROW_PROBLEMS = {1: "contain NaN logits", 2: "have no allowed token (all -inf)"}
 """Per-row codes (0: the row is fine)."""
@@ -80,7 +79,7 @@ class Check:
     rows: int
 
     @staticmethod
-    def of(got: SimpleNamespace, countdown: torch.Tensor) -> Check:
+    def of(got: Unpacked, countdown: torch.Tensor) -> Check:
         """From a gathered :func:`~vocabpar.wire.records.folded` message; ``countdown``: int64
         ``rows, rows - 1, ..., 1`` on its device. No host read."""
         first_row = ((got.row_facts != got.row_facts[:1]) * countdown).amax(1)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from types import SimpleNamespace
 
 import torch
 
@@ -45,7 +44,7 @@ from vocabpar.sampling.semantics import (
     top_p_pool,
     top_p_target,
 )
-from vocabpar.wire.records import DRAW, MASSES
+from vocabpar.wire.records import DRAW, MASSES, Unpacked
 from vocabpar.wire.scripts import EnginePlan
 
 
@@ -113,7 +112,7 @@ class Choice:
         return self.x.double() / self.temperature[:, None]
 
     def sample(self, ranks: Ranks, rows: Rows, positions: torch.Tensor, plan: EnginePlan,
-               first: SimpleNamespace, best: torch.Tensor) -> Choice:
+               first: Unpacked, best: torch.Tensor) -> Choice:
         """Thresholds and the draw for the sampled rows (``first``: round one's gathered
         fields, ``best``: each row's max). Steps:
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import torch
 
@@ -27,7 +26,7 @@ from vocabpar.kernels.fused import rank_keys
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling.failures import EngineResult, Failures, Packed
 from vocabpar.sampling.semantics import NEG_INF, rank_key
-from vocabpar.wire.records import LARGER, score
+from vocabpar.wire.records import LARGER, Unpacked, score
 from vocabpar.wire.scripts import Script
 
 ROW_BLOCK = 16  # rows per local block: float64 temporaries of 16 x V/n stay small (~4 MB at V/n = 32k)
@@ -121,7 +120,7 @@ def local_scores(logits: torch.Tensor, ids: torch.Tensor, layout: VocabLayout, m
     return _local_stats(logits, ids, col.to(logits.device), owned.to(logits.device), top_n)
 
 
-def merged_scores(logits: torch.Tensor, ids: torch.Tensor, got: SimpleNamespace,
+def merged_scores(logits: torch.Tensor, ids: torch.Tensor, got: Unpacked,
                   sum_over_ranks: Callable[[torch.Tensor], torch.Tensor]) -> TokenLogprobs:
     """The scores from every rank's gathered record (``got``: fields ``[n, T, ...]``): the
     log-softmax ``(x - M) - log(S)`` merged in rank order (the same bits on every rank; NaN for

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
-from types import SimpleNamespace
 
 import torch
 
@@ -31,6 +30,15 @@ class Field:
     @property
     def words(self) -> int:
         return 1 if self.width is None else self.width
+
+
+class Unpacked:
+    """A record's fields by name, as :meth:`Record.unpack` returns them: a plain class, so that a
+    caller's ``torch.compile(fullgraph=True)`` traces it (Dynamo cannot build a
+    ``types.SimpleNamespace``)."""
+
+    def __init__(self, **fields: torch.Tensor) -> None:
+        self.__dict__.update(fields)
 
 
 @dataclass(frozen=True)
@@ -59,7 +67,7 @@ class Record:
             columns.append(part.reshape(part.shape[0], f.words))
         return torch.cat(columns, 1)
 
-    def unpack(self, words: torch.Tensor) -> SimpleNamespace:
+    def unpack(self, words: torch.Tensor) -> Unpacked:
         """The fields of ``words`` (``[..., words]``) by name: ``[...]`` for a one-word field,
         ``[..., width]`` for a vector; float64 for a real field, int64 otherwise."""
         if words.shape[-1] != self.words():
@@ -70,7 +78,7 @@ class Record:
             part = part.contiguous().view(torch.float64) if f.real else part
             out[f.name] = part[..., 0] if f.width is None else part
             start += f.words
-        return SimpleNamespace(**out)
+        return Unpacked(**out)
 
 
 def _real(name: str, width: int | None = None) -> Field:
