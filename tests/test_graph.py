@@ -1,10 +1,9 @@
-"""An engine compiles its whole step: ``torch.compile(sampler.sample, fullgraph=True)`` and
-``token_logprobs`` trace as one graph with no break (``fullgraph=True`` raises at a break), give
-the eager call's ids, logprobs and flags, and a second batch of the same plan with other values
-reuses the program. One process (the collectives of a group trace alike:
+"""An engine compiles its whole step: ``torch.compile(sampler.sample, fullgraph=True)``,
+``verify`` and ``token_logprobs`` trace as one graph with no break (``fullgraph=True`` raises at
+a break), give the eager call's ids, logprobs and flags, and a second batch of the same plan with
+other values reuses the program. One process (the collectives of a group trace alike:
 ``scripts/graph_breaks.py`` checks 2 ranks and prints every break where one is left); Dynamo's
-eager backend, so nothing compiles to C++ here. ``verify`` does not trace as one graph yet (its
-plan's fingerprint is hashed with ``zlib`` inside the call)."""
+eager backend, so nothing compiles to C++ here."""
 
 import pytest
 import torch
@@ -54,3 +53,22 @@ def test_token_logprobs_is_one_graph_equal_to_eager(sampler):
     with fused.compiling(False):
         got = torch.compile(score, fullgraph=True, backend="eager")(logits, ids)
         assert torch.equal(got.packed.words, score(logits, ids).packed.words)
+
+
+@pytest.mark.parametrize("with_draft_logits", [False, True])
+def test_verify_is_one_graph_equal_to_eager(with_draft_logits):
+    torch._dynamo.reset()
+    k = 2
+    sampler = Sampler(VocabLayout(V, 1), max_rows=B, max_drafts=k)
+    g = torch.Generator().manual_seed(4)
+    target = torch.randn(B, k + 1, V, generator=g)
+    draft_logits = target[:, :k] + torch.randn(B, k, V, generator=g) if with_draft_logits else None
+    drafts = torch.randint(0, V, (B, k), generator=g)
+    batch = _batch(sampler, PLANS["certified"], 0)
+
+    def verify(target: torch.Tensor, drafts: torch.Tensor):
+        return sampler.verify(target, batch, drafts, draft_logits)
+
+    with fused.compiling(False):
+        got = torch.compile(verify, fullgraph=True, backend="eager")(target, drafts)
+        assert torch.equal(got.packed.words, verify(target, drafts).packed.words)

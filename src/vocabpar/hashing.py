@@ -29,6 +29,10 @@ def fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
+DTYPE_WORDS = {dtype: zlib.crc32(str(dtype).encode()) for dtype in vars(torch).values()
+               if isinstance(dtype, torch.dtype)}
+"""Each dtype's word in a fingerprint's header, hashed once here (a compiled caller then traces
+a table look-up, not ``zlib``)."""
 FINGERPRINT_BLOCK = 1 << 20  # words hashed per step: bounds the int64 temporaries to ~8 MiB each
 
 
@@ -39,7 +43,7 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     flat = t.detach().contiguous().reshape(-1)
     raw = flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
     words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
-    header = torch.tensor([zlib.crc32(str(t.dtype).encode()), t.dim(), *t.shape], device=t.device)
+    header = torch.tensor([DTYPE_WORDS[t.dtype], t.dim(), *t.shape], device=t.device)
     total = _mixed_sum(header, -header.numel())  # negative positions: the header's own
     for start in range(0, words.numel(), FINGERPRINT_BLOCK):
         total = (total + _mixed_sum(words[start: start + FINGERPRINT_BLOCK], start)) & MASK62

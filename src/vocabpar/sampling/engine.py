@@ -94,6 +94,9 @@ class Batch:
     facts: torch.Tensor
     row_facts: torch.Tensor
     row_params: torch.Tensor
+    verify_plans: tuple[EnginePlan, EnginePlan]
+    """The plan of a ``verify`` call without and with draft logits, and its check word (below)."""
+    verify_plan_words: tuple[int, int]
 
     @property
     def size(self) -> int:
@@ -180,8 +183,13 @@ class Sampler:
                  mask if mask is not None else 0]
         per_row = seen + [t for t in (rows.logprobs, mask) if t is not None]
         row_params, row_facts = self._row_facts(rows, pos, per_row)
+        # verify's stacked rows repeat the batch's plan, in messages of verify_rows rows; its
+        # check word is hashed here, on the host, so that a compiled verify needs no host code
+        verify_plans = tuple(replace(plan, rows=self.verify_rows, top_n=None, drafts=drafts)
+                             for drafts in (False, True))
         return Batch(rows, tuple(host.greedy.tolist()), host.top_n, pos, counts, mask, plan,
-                     self._facts(facts, device), row_facts, row_params)
+                     self._facts(facts, device), row_facts, row_params, verify_plans,
+                     tuple(_crc(repr(p)) for p in verify_plans))
 
     def _plan(self, host: Rows) -> EnginePlan:
         """The script of a ``sample`` call on these (host) parameters."""
@@ -284,15 +292,14 @@ class Sampler:
         drafts = draft_tokens.clamp(0, V - 1)
         rows = batch.rows.take(at)
         positions = batch.positions[at] + torch.tensor(offset, dtype=torch.long, device=device)
-        # the stacked rows repeat the batch's plan, in messages of verify_rows rows
-        plan = replace(batch.plan, rows=self.verify_rows, top_n=None, drafts=bool(drafted))
+        plan = batch.verify_plans[bool(drafted)]
         draft_fact, row_facts = 0, batch.row_params
         if self.check:
             draft_rows = row_fingerprints(draft_tokens)
             draft_fact = draft_rows.sum() & MASK62
             row_facts = (row_facts + padded(draft_rows, plan.rows)) & MASK62
-        facts = self._facts([stacked, _crc(repr(plan)), params_fact(rows), -1, positions, 0, 0, draft_fact,
-                             int(bool(drafted))], device)
+        facts = self._facts([stacked, batch.verify_plan_words[bool(drafted)], params_fact(rows), -1,
+                             positions, 0, 0, draft_fact, int(bool(drafted))], device)
         choice = self._choose(raw, rows, positions, plan, facts, row_facts, problem, rejected)
         drawn = choice.tokens[: B * (k + 1)].view(B, k + 1)
         accept = drafts == drawn[:, :k]
