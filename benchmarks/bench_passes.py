@@ -218,7 +218,7 @@ def main() -> None:
                      *(ms(parts[p]) for p in PARTS), ms(glue), ms(floor), top])
     table(["config", "path", "coll", "bytes", "reads", "total", "passes", "rest", *PARTS, "glue", "floor",
            "passes, slowest first"], rows,
-          drop=["passes, slowest first", "bytes", "reads", "compact", "rest"])
+          drop=["passes, slowest first", "compact", "rest", "floor"])
     c = per_rank[0]["select"][0]
     topk, radix = (max(r["select"][i] for r in per_rank) for i in (1, 2))
     show(f"round one's selection of c={c} candidates per row of the shard (peaked rows; no collectives), "

@@ -190,7 +190,7 @@ def main() -> None:
                          over(eager, t["sharded"]), gathered])
     table(["config", "k", "coll", "reads", "sharded ms", "gather ms", "speed-up", "sharded B", "gather B",
            "bytes x", "accepted", "sample ms", "v/sample", "eager ms", "eag/cmp", "g coll"], rows,
-          drop=["sharded B", "gather B", "g coll", "sample ms", "eager ms", "reads", "accepted"])
+          drop=["g coll", "sample ms", "eager ms", "eag/cmp", "v/sample", "accepted", "gather B"])
     bottom_line(verdict("verification on shards", "gather-then-verify", f"B={B}", times, sent))
 
 

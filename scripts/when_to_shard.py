@@ -16,9 +16,9 @@ import io
 import json
 
 from vocabpar.cli import main
+from vocabpar.plan.crossover import COLLECTING
 
-GATHERING = ("vllm-all-gather", "vllm-gather", "sglang-dp-gather-scatter", "sglang-all-to-all",
-             "trtllm-uneven")
+GATHERING = tuple(d.name for d in COLLECTING)
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 CONFIGS = {"greedy": [],
            "T0.8 k50 p0.95 min-p 0.05": ["--temperature", "0.8", "--top-k", "50", "--top-p", "0.95",

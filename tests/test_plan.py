@@ -729,7 +729,8 @@ def test_step_time_prices_launches_and_host_reads(capsys):
             assert moved[name]["step_time_s"] - d["step_time_s"] == pytest.approx(d[count] * delta, abs=1e-12)
     sharded, gather = base["vocabpar-sharded"], base["vllm-all-gather"]
     # every design copies its sampled ids to the host once per step: one read at least
-    assert sharded["host_reads"] > gather["host_reads"] == 1 and sharded["launches"] > gather["launches"]
+    assert sharded["host_reads"] > gather["host_reads"] == host.IDS_TO_HOST.reads
+    assert sharded["launches"] > gather["launches"]
     assert sharded["launches_worst"] >= sharded["launches"]
     assert sharded["host_reads_worst"] >= sharded["host_reads"]
 

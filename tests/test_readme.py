@@ -204,8 +204,14 @@ def run_in_bash(blocks: list[Block]) -> bool:
     return ok
 
 
+def unaffordable(block: Block) -> str | None:
+    """What a bash block starts that the suite cannot afford to run, if anything."""
+    found = UNAFFORDABLE.search(block.code) if block.lang == "bash" and not block.make_only else None
+    return found.group(0) if found else None
+
+
 def runnable_bash(blocks: list[Block]) -> list[Block]:
-    return [b for b in blocks if b.lang == "bash" and not b.make_only and not UNAFFORDABLE.search(b.code)]
+    return [b for b in blocks if b.lang == "bash" and not b.make_only and not unaffordable(b)]
 
 
 def mode_blocks(mode: str, blocks: list[Block]) -> list[Block]:
@@ -230,9 +236,10 @@ def _launch_passed(mode: str, blocks: list[Block], runs: dict[str, subprocess.Co
 @pytest.fixture(scope="module")
 def blocks() -> list[Block]:
     found = all_blocks()
+    runnable = {b.name for b in found if b.lang == "python"} | {b.name for b in runnable_bash(found)}
     for page in pages()[1:]:  # every docs page has runnable examples
         name = str(page.relative_to(ROOT))
-        assert any(b.page == name and (b.lang == "python" or b in runnable_bash(found)) for b in found), name
+        assert any(b.page == name and b.name in runnable for b in found), name
     assert sum(b.marked for b in found) >= 4, [b.name for b in found]
     return found
 
@@ -261,12 +268,14 @@ def runs(blocks) -> dict[str, subprocess.CompletedProcess]:
 
 
 def test_every_python_block_runs_alone_in_one_process(blocks, runs):
-    _launch_passed("one", blocks, runs)
+    out = _launch_passed("one", blocks, runs)
+    assert "rank 0 of 1" in out  # the library block, unsharded
 
 
 def test_marked_blocks_run_on_two_ranks_without_an_abort_at_exit(blocks, runs):
     out = _launch_passed("ranks", blocks, runs)
     assert "first use: a world of 2" in out  # nobody initialised the group: vocabpar's first use did
+    assert "rank 0 of 2" in out and "rank 1 of 2" in out  # the library block ran sharded
     assert "terminate called" not in out and "SIGABRT" not in out
 
 
@@ -322,11 +331,9 @@ def test_blocks_are_named_by_page_and_first_code_line_and_bad_fences_say_where()
         parse_blocks("docs/x.md", f"intro\n```python\n{TABLE}\n```\ntext\n```bash\n```\n| late |\n")
 
 
-@pytest.mark.parametrize("page", [
-    *[str(p.relative_to(ROOT)) for p in pages()]])
+@pytest.mark.parametrize("page", [str(p.relative_to(ROOT)) for p in pages()])
 def test_no_bash_block_starts_what_the_suite_cannot_afford(page):
-    bad = {b.name: UNAFFORDABLE.search(b.code).group(0) for b in page_blocks(ROOT / page)
-           if b.lang == "bash" and not b.make_only and UNAFFORDABLE.search(b.code)}
+    bad = {b.name: unaffordable(b) for b in page_blocks(ROOT / page) if unaffordable(b)}
     assert not bad, f"show these as a table, inline code or a text block: {bad}"
 
 

@@ -100,9 +100,9 @@ class Fused:
 
     def __call__(self, *args: object) -> object:
         args = tuple(_dense(a) if isinstance(a, torch.Tensor) else a for a in args)
-        if torch.compiler.is_compiling():  # a caller compiles the whole step: the pass joins its graph
-            return self.fn(*args)
-        if not _on[0] or self.broken or any(isinstance(a, torch.Tensor) and a.numel() == 0 for a in args):
+        empty = any(isinstance(a, torch.Tensor) and a.numel() == 0 for a in args)
+        # eager: switched off, broken, empty, or a caller compiles the whole step (the pass joins its graph)
+        if torch.compiler.is_compiling() or not _on[0] or self.broken or empty:
             return self.fn(*args)
         programs = self.programs.setdefault(store.convention(args), [])
         for program in programs:

@@ -91,10 +91,6 @@ class Crossover:
     gather_s: float
     shards_s: float
 
-    @property
-    def faster(self) -> str:
-        return self.shards if self.shards_s <= self.gather_s else self.gather
-
 
 def crossovers(w: Workload) -> list[Crossover]:
     """The crossovers that apply to ``w``: its decode or verification step, and scoring when it

@@ -298,8 +298,9 @@ class Sampler:
             draft_rows = row_fingerprints(draft_tokens)
             draft_fact = draft_rows.sum() & MASK62
             row_facts = (row_facts + padded(draft_rows, plan.rows)) & MASK62
-        facts = self._facts([stacked, batch.verify_plan_words[bool(drafted)], params_fact(rows), -1,
-                             positions, 0, 0, draft_fact, int(bool(drafted))], device)
+        # the stacked rows' parameters and positions follow from the batch's, hashed in prepare
+        facts = self._facts([stacked, batch.verify_plan_words[bool(drafted)], batch.facts[2], -1,
+                             batch.facts[4], 0, 0, draft_fact, int(bool(drafted))], device)
         choice = self._choose(raw, rows, positions, plan, facts, row_facts, problem, rejected)
         drawn = choice.tokens[: B * (k + 1)].view(B, k + 1)
         accept = drafts == drawn[:, :k]
