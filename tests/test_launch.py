@@ -63,10 +63,17 @@ def rank_main(rank: int, who: str) -> None:
     dist.all_reduce(t)  # rank 0 has gone: a connection error (or the timeout)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports: each socket stays bound until all are chosen, so the OS
+    cannot hand the same port out twice."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def jobs(cases: list[str], out: str, parallel: int) -> dict[str, int]:
@@ -74,8 +81,8 @@ def jobs(cases: list[str], out: str, parallel: int) -> dict[str, int]:
     status = {}
     for first in range(0, len(cases), parallel):
         children = {}
-        for job in range(first, min(len(cases), first + parallel)):
-            port = free_port()
+        batch = range(first, min(len(cases), first + parallel))
+        for job, port in zip(batch, free_ports(len(batch))):
             for rank in range(2):
                 name = f"{job}-{rank}"
                 pid = os.fork()
