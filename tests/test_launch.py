@@ -24,6 +24,7 @@ import subprocess
 import sys
 
 import pytest
+from ports import free_ports
 
 DRIVER = r'''
 import sys
@@ -39,7 +40,6 @@ import gc
 import json
 import multiprocessing
 import os
-import socket
 import time
 
 import torch
@@ -63,26 +63,14 @@ def rank_main(rank: int, who: str) -> None:
     dist.all_reduce(t)  # rank 0 has gone: a connection error (or the timeout)
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free ports: each socket stays bound until all are chosen, so the OS
-    cannot hand the same port out twice."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def jobs(cases: list[str], out: str, parallel: int) -> dict[str, int]:
-    """Each case a two-rank job, ``parallel`` at a time; name -> exit status (-6: SIGABRT)."""
+def jobs(cases: list[str], ports: list[int], out: str, parallel: int) -> dict[str, int]:
+    """Each case a two-rank job on its own port, ``parallel`` at a time; name -> exit status
+    (-6: SIGABRT)."""
     status = {}
     for first in range(0, len(cases), parallel):
         children = {}
         batch = range(first, min(len(cases), first + parallel))
-        for job, port in zip(batch, free_ports(len(batch))):
+        for job in batch:
             for rank in range(2):
                 name = f"{job}-{rank}"
                 pid = os.fork()
@@ -93,7 +81,7 @@ def jobs(cases: list[str], out: str, parallel: int) -> dict[str, int]:
                 os.dup2(fd, 1)
                 os.dup2(fd, 2)
                 os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[job]))
                 rank_main(rank, cases[job])  # raises: this interpreter exits as a script's would
                 os._exit(3)
         while children:
@@ -111,9 +99,9 @@ def holds_a_lock(fail: bool) -> int:
 
 
 if __name__ == "__main__":
-    cases, out = sys.argv[1].split(","), sys.argv[2]
+    cases, ports, out = sys.argv[1].split(","), [int(p) for p in sys.argv[2].split(",")], sys.argv[3]
     gc.freeze()  # the ranks' collections, at exit too, then skip what the driver imported
-    status = jobs(cases, out, parallel=10)
+    status = jobs(cases, ports, out, parallel=10)
     runs = [launch.run(holds_a_lock, 2, False)]
     try:
         launch.run(holds_a_lock, 2, True)
@@ -130,7 +118,8 @@ PEER_GONE = re.compile(r"Connection (closed|reset) by peer|[Tt]imed out")
 def driven(tmp_path_factory):
     folder = tmp_path_factory.mktemp("launch")
     (folder / "driver.py").write_text(DRIVER)
-    done = subprocess.run([sys.executable, str(folder / "driver.py"), ",".join(CASES), str(folder)],
+    done = subprocess.run([sys.executable, str(folder / "driver.py"), ",".join(CASES),
+                           ",".join(map(str, free_ports(len(CASES)))), str(folder)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout), done.stderr, folder

@@ -7,9 +7,10 @@ logits in one process)."""
 import os
 import pathlib
 import re
-import socket
 import subprocess
 import sys
+
+from ports import free_ports
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -22,12 +23,6 @@ def recipe() -> list[str]:
     return lines
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_readme_recipe_is_two_nodes_of_two_processes():
     node0, node1 = recipe()
     for rank, line in enumerate((node0, node1)):
@@ -37,7 +32,7 @@ def test_readme_recipe_is_two_nodes_of_two_processes():
 
 
 def test_two_torchrun_agents_pass_the_smoke_script():
-    port = str(_free_port())
+    port = str(free_ports(1)[0])
     torchrun = str(pathlib.Path(sys.executable).with_name("torchrun"))
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     agents = [subprocess.Popen([torchrun if word == "torchrun" else word.replace("$PORT", port)
