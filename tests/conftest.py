@@ -1,4 +1,5 @@
 import gc
+import importlib.util
 import os
 import sys
 
@@ -13,6 +14,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 os.environ.setdefault("VOCABPAR_COMPILE", "0")
 
 from vocabpar import launch  # noqa: E402
+
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
+"""tests/vllm runs in the environment with vLLM (``make test-vllm``)."""
 
 
 def pytest_collection_finish(session) -> None:
