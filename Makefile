@@ -58,7 +58,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.installed
-	$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider -q -s tests/vllm
+	$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider -q -s tests/in_vllm
 
 # every benchmark, its tables and progress as they come (about 15 minutes on 2 cores); for a
 # one-minute smoke run: `.venv/bin/vocabpar bench --quick`

@@ -15,8 +15,8 @@ os.environ.setdefault("VOCABPAR_COMPILE", "0")
 
 from vocabpar import launch  # noqa: E402
 
-collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
-"""tests/vllm runs in the environment with vLLM (``make test-vllm``)."""
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["in_vllm"]
+"""tests/in_vllm runs in the environment with vLLM (``make test-vllm``)."""
 
 
 def pytest_collection_finish(session) -> None:

@@ -1,6 +1,6 @@
 """The vLLM plugin's parts that need no vLLM: its switch and settings, the entry point vLLM finds,
 the layout read from vLLM's shard indices, request seeds and the grammar bitmask's row order.
-tests/vllm runs the plugin inside a real vLLM (``make test-vllm``)."""
+tests/in_vllm runs the plugin inside a real vLLM (``make test-vllm``)."""
 
 import importlib.metadata
 from types import SimpleNamespace
