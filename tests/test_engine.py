@@ -14,15 +14,19 @@ import torch
 from vocabpar import SamplingParams, VocabLayout, comm, reference_sample, reference_verify, sample
 from vocabpar.host_reads import counting
 from vocabpar.launch import run
+from vocabpar.plan.machine import link
 from vocabpar.sampling import Sampler, TokenCounts
 from vocabpar.sampling.scoring import TokenLogprobs
 from vocabpar.wire.scripts import (
     ENGINE_FACTS,
     calls,
+    choose_search_bits,
     engine_plan,
     engine_sample_script,
     engine_score_script,
+    engine_search_script,
     price,
+    search_bits,
 )
 
 V, ORG, MAX_ROWS, K = 2500, 2490, 12, 3
@@ -62,6 +66,8 @@ CONFIGS = {
     "logprobs processed": SamplingParams(temperature=0.7, top_k=40, logprobs=3, logprobs_of="processed"),
 }
 PER_ROW = ("temperature", "top_k", "top_p", "min_p")
+SEARCH_CHOICES = ((8, 8, 8, 8), (6, 6, 5, 5, 5, 5), (4,) * 8)
+"""Threshold-search rounds other than the default, each run on flat and tied rows."""
 
 
 def _params(config: str, B: int) -> SamplingParams:
@@ -133,6 +139,14 @@ def _engine_all():
                     local_draft = _shard(draft, layout) if with_logits else None
                     out["verify", layout.scheme, family, config, with_logits] = _call(
                         verifier.verify, _shard(target, layout), batch, drafts, local_draft)
+        out.setdefault("search bits", {})[layout.scheme] = sampler.search_bits
+        for bits in SEARCH_CHOICES:  # any rounds give the same tokens, ties included
+            chosen = Sampler(layout, max_rows=MAX_ROWS, search_bits=bits)
+            for family in ("flat", "tied"):
+                for config in ("top-p 0.9", "top-k 1000"):
+                    batch = chosen.prepare(_params(config, 12), positions=torch.arange(12) * 3)
+                    out["bits", layout.scheme, bits, family, config] = _call(
+                        chosen.sample, _shard(FAMILIES[family], layout), batch)
         unchecked = Sampler(layout, max_rows=MAX_ROWS, check=False)
         batch = unchecked.prepare(_params("top-p 0.9", 12), positions=torch.arange(12) * 3)
         out["unchecked", layout.scheme] = _call(unchecked.sample, _shard(FAMILIES["flat"], layout), batch)
@@ -265,6 +279,15 @@ def test_tokens_and_logprobs_equal_the_reference(engine):
                 _assert_logprobs(got, ref, (n, key))
         for key in (k for k in out if k[0] == "penalised"):
             assert torch.equal(out[key][0].tokens, _reference_penalised(key[2]).tokens), (n, key)
+        chosen = [key for key in out if key[0] == "bits"]
+        assert len(chosen) == 3 * len(SEARCH_CHOICES) * 2 * 2
+        for _, scheme, bits, family, config in chosen:
+            got, _, sent = out["bits", scheme, bits, family, config]
+            got.raise_if_failed()
+            assert torch.equal(got.tokens, _reference(family, config, 12).tokens), (n, scheme, bits, config)
+            searches = [m for m in got.script if m.record.name == "histogram"]
+            assert len(searches) == len(bits), (n, scheme, bits, config)
+            assert sent == calls(got.script, 1 if scheme == "replicated" else n), (n, scheme, bits, config)
 
 
 def _assert_logprobs(got, ref, where) -> None:
@@ -321,6 +344,8 @@ def test_one_fixed_script_per_plan_priced_as_the_planner_prices_it(engine):
             scheme = layout.scheme
             ranks = 1 if scheme == "replicated" else n
             widest = min(max(s.num_org + s.num_added for s in layout.shards), V) if ranks > 1 else V
+            bits = out["search bits"][scheme]
+            assert bits == choose_search_bits(MAX_ROWS, ranks, *link("cpu")), (n, scheme, bits)
             for config, params in CONFIGS.items():
                 scripts = set()
                 for family in FAMILIES:
@@ -333,7 +358,7 @@ def test_one_fixed_script_per_plan_priced_as_the_planner_prices_it(engine):
                 top_n = 5 if params.logprobs is not None else None
                 planned = engine_sample_script(engine_plan(
                     MAX_ROWS, ranks, widest, V, greedy=[params.temperature == 0], top_k=rows["top_k"],
-                    top_p=rows["top_p"], min_p=rows["min_p"], top_n=top_n))
+                    top_p=rows["top_p"], min_p=rows["min_p"], top_n=top_n, search_bits=bits))
                 assert price(planned, ranks) == price(scripts.pop(), ranks), (n, scheme, config)
             checked, _, sent_checked = out["sample", scheme, "flat", "top-p 0.9", 12]
             _, _, sent_unchecked = out["unchecked", scheme]
@@ -341,7 +366,8 @@ def test_one_fixed_script_per_plan_priced_as_the_planner_prices_it(engine):
             if ranks > 1:
                 counts = {config: len(out["sample", scheme, "flat", config, 12][2]) for config in CONFIGS}
                 assert counts["greedy"] == 1 and counts["full"] <= 2, counts
-                assert max(counts[c] for c in ("top-p 0.9", "top-k 1000", "min-p 0.1")) <= 5, counts
+                searched = max(counts[c] for c in ("top-p 0.9", "top-k 1000", "min-p 0.1"))
+                assert searched <= 2 + len(bits), counts
 
 
 def test_scoring_reports_the_fixed_script_it_sends(engine):
@@ -446,9 +472,16 @@ def test_construction_and_prepare_reject_bad_input_in_one_line():
     layout = VocabLayout(100, 1, scheme="replicated")
     for kwargs, message in ((dict(max_rows=0), "max_rows must be an int"),
                             (dict(max_rows=4, max_top_n=-1), "max_top_n must be an int"),
-                            (dict(max_rows=4, max_top_n=101), "at most vocab_size=100")):
+                            (dict(max_rows=4, max_top_n=101), "at most vocab_size=100"),
+                            (dict(max_rows=4, search_bits=(11, 11, 11)), r"up to 32, got \(11, 11, 11\)"),
+                            (dict(max_rows=4, search_bits=(16, 16)), "rounds of 4-11 bits"),
+                            (dict(max_rows=4, bandwidth=0), "bandwidth must be a positive number, got 0"),
+                            (dict(max_rows=4, latency="1us"), "latency must be a positive number")):
         with pytest.raises(ValueError, match=message):
             Sampler(layout, **kwargs)
+    assert Sampler(layout, max_rows=4, search_bits=[8, 8, 8, 8]).search_bits == (8, 8, 8, 8)
+    one_rank = Sampler(layout, max_rows=4096, latency=25e-6, bandwidth=300e9)
+    assert one_rank.search_bits == (11, 11, 10)  # nothing on the wire: the fewest rounds
     sampler = Sampler(layout, max_rows=4, max_top_n=2)
     for params, positions, message in ((SamplingParams(), torch.arange(5), "exceeds max_rows=4"),
                                        (SamplingParams(logprobs=3), torch.arange(2), "max_top_n=2"),
@@ -465,6 +498,21 @@ def test_construction_and_prepare_reject_bad_input_in_one_line():
             "batch's device, got torch.float32(2, 99): the layout gives rank 0 100 columns of a 100-id "
             "vocabulary")):
         out.raise_if_failed()
+
+
+def test_the_search_rounds_are_the_fastest_on_the_link():
+    """More rounds send fewer bytes: few rows keep three rounds, many rows take more, and the
+    choice is the cheapest of every width by the records' own price."""
+    gpu = 8e-6, 300e9
+    assert choose_search_bits(8, 8, *gpu) == (11, 11, 10)
+    assert choose_search_bits(1024, 8, *gpu) == (6, 6, 5, 5, 5, 5)
+    for rows, ranks, latency, bandwidth in ((64, 2, *link("cpu")), (256, 8, *gpu), (16, 4, 25e-6, 50e9)):
+        seconds = {w: len(search_bits(w)) * latency
+                   + price(engine_search_script(rows, search_bits(w)), ranks).bytes / bandwidth
+                   for w in range(4, 12)}
+        chosen = choose_search_bits(rows, ranks, latency, bandwidth)
+        assert sum(chosen) == 32 and search_bits(max(chosen)) == chosen  # the widest round names it
+        assert seconds[max(chosen)] == min(seconds.values()), (rows, ranks, chosen)
 
 
 def test_each_per_row_argument_of_prepare_is_named_in_a_length_error():

@@ -353,8 +353,15 @@ def _designs_json(capsys, *argv: str) -> dict[str, dict]:
 def test_latency_per_collective_prices_every_design(sampling, capsys):
     """Step time = collectives x latency + bytes / bandwidth + head time: moving the latency from
     0 to 50 us moves each design by exactly its collectives x 50 us (typical and worst case);
-    replicated designs make none on the decode path."""
+    replicated designs make none on the decode path. The engine sampler's threshold search takes
+    the rounds that are fastest at the given latency (more of them, sending fewer bytes, when a
+    collective is free): its step then moves by no more than its collectives at 0 us cost, and
+    by at least its own."""
     fast, slow = (_designs_json(capsys, "--latency-us", latency, *sampling) for latency in ("0", "50"))
+    engine = fast.pop("vocabpar-engine"), slow.pop("vocabpar-engine")
+    moved = engine[1]["step_time_s"] - engine[0]["step_time_s"]
+    assert engine[1]["collectives"] * 50e-6 - 1e-12 <= moved <= engine[0]["collectives"] * 50e-6 + 1e-12
+    assert (engine[0]["collectives"] > engine[1]["collectives"]) == bool(sampling)
     for name, d in fast.items():
         assert (d["collectives"], d["collectives_worst"]) == (slow[name]["collectives"],
                                                               slow[name]["collectives_worst"])

@@ -50,3 +50,27 @@ def mode(name: str) -> Mode:
         return MODES[name]
     except (KeyError, TypeError):
         raise ValueError(f"unknown mode {name!r}; known: {', '.join(MODES)}") from None
+
+GLOO_LATENCY = 1e-3
+"""Seconds per gloo all-reduce of one int64 between two processes of one 2-core machine: 0.85-1.3
+ms measured here (200 calls after 20 warm-up ones, 2026-12-06)."""
+GLOO_BANDWIDTH = 0.65e9
+"""Bytes/s of a gloo all-reduce of 8 MB between the same two processes, its latency taken off:
+0.64-0.65 GB/s measured here."""
+LINKS = {"cuda": (MODES["graph"].latency, 300e9), "cpu": (GLOO_LATENCY, GLOO_BANDWIDTH)}
+"""A link's (latency s, bandwidth B/s) by device type: on GPUs a collective captured in a CUDA
+graph (graph mode) over NVLink-class bandwidth, the planner's defaults; on the CPU gloo between
+processes of one machine."""
+
+
+def link(device_type: str, latency: float | None = None,
+         bandwidth: float | None = None) -> tuple[float, float]:
+    """``(latency, bandwidth)``: the given ones, else :data:`LINKS`' for ``device_type`` (a CUDA
+    GPU's for a device type it does not list); ``ValueError`` for a value that is not positive."""
+    for name, value in (("latency", latency), ("bandwidth", bandwidth)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < float("inf")):
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
+    default_latency, default_bandwidth = LINKS.get(device_type, LINKS["cuda"])
+    return latency or default_latency, bandwidth or default_bandwidth
+

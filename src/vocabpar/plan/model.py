@@ -35,8 +35,10 @@ from dataclasses import dataclass, field, replace
 from vocabpar.layout import VocabLayout
 from vocabpar.plan.machine import DEFAULT_MODE, MODES
 from vocabpar.wire.scripts import (
+    ENGINE_SEARCH_BITS,
     SCORE_ROWS,
     SamplePath,
+    choose_search_bits,
     engine_plan,
     engine_sample_script,
     price,
@@ -369,23 +371,26 @@ def logits_traffic(name: str, rows: int, w: Workload, ranks: int, scheme: str,
         t = exact(s.collectives + (s.ids is not None), logits_collection_bytes(
             name, rows, w.vocab, ranks, w.logits_dtype_bytes, scheme=scheme, pad_to=w.pad_to))
     if s.on_shards and sampler == "engine":
-        t += engine_traffic(rows, ranks, min(c, w.vocab), w.vocab, w.sampling)
+        t += engine_traffic(rows, ranks, min(c, w.vocab), w.vocab, w.sampling, link=(w.latency, w.bandwidth))
     elif s.on_shards:
         t += sampler_traffic(rows, ranks, min(c, w.vocab), w.vocab, w.sampling)
     return t
 
 
 def engine_traffic(rows: int, ranks: int, widest: int, vocab: int, s: Sampling, *, drafts: int = 0,
-                   draft_logits: bool = False) -> Traffic:
+                   draft_logits: bool = False, link: tuple[float, float] | None = None) -> Traffic:
     """The engine ``Sampler``'s fixed script on ``rows`` batch rows (verifying ``drafts`` per
     row: the stacked rows, with draft logits the masses and the correction), the same whatever
-    the logits. Its messages carry exactly the call's rows, as a sampler sized to them sends."""
+    the logits. Its messages carry exactly the call's rows, as a sampler sized to them sends, and
+    its searches take the rounds such a sampler chooses on ``link`` (latency s, bandwidth B/s;
+    ``None``: the default 11, 11 and 10 bits)."""
     weigh = draft_logits and not s.greedy and drafts > 0
     stacked = rows * (drafts + 1 + drafts * weigh)
     if not stacked:  # no call: an engine skips the sampler for an empty batch
         return Traffic()
+    bits = ENGINE_SEARCH_BITS if link is None else choose_search_bits(stacked, ranks, *link)
     plan = engine_plan(stacked, ranks, widest, vocab, greedy=[s.greedy], top_k=[s.top_k], top_p=[s.top_p],
-                       min_p=[s.min_p])
+                       min_p=[s.min_p], search_bits=bits)
     return price(engine_sample_script(replace(plan, drafts=weigh)), ranks)
 
 
@@ -405,7 +410,8 @@ def verify_traffic(name: str, w: Workload, ranks: int, scheme: str, sampler: str
         return logits_traffic(name, B * (K + 1), w, ranks, scheme)
     widest = min(shard_rows(w.vocab, ranks, scheme, w.pad_to), w.vocab)
     if sampler == "engine":
-        return engine_traffic(B, ranks, widest, w.vocab, w.sampling, drafts=K, draft_logits=w.draft_logits)
+        return engine_traffic(B, ranks, widest, w.vocab, w.sampling, drafts=K, draft_logits=w.draft_logits,
+                              link=(w.latency, w.bandwidth))
     paths = verify_paths(B, K, w.draft_logits, ranks, widest, w.vocab, **w.sampling.knobs())
     return verify_price(paths, ranks)
 

@@ -16,20 +16,21 @@ import torch
 from vocabpar.sampling.ranks import Ranks
 from vocabpar.sampling.semantics import threshold_digit
 from vocabpar.wire.records import histogram
-from vocabpar.wire.scripts import ENGINE_SEARCH_BITS
 
 
 def threshold(local_histogram: Callable[[int, int, torch.Tensor, int], torch.Tensor], B: int,
-              need: torch.Tensor | Callable, ranks: Ranks, rows: int, device: torch.device) -> torch.Tensor:
+              need: torch.Tensor | Callable, ranks: Ranks, rows: int, device: torch.device,
+              search_bits: tuple[int, ...]) -> torch.Tensor:
     """Per row, the largest key ``v`` with ``sum(weight[keys >= v]) >= need`` over all ranks, for
     this shard's keys (order keys in ``[0, 2**32)``) and weights as ``local_histogram(shift, bits,
     prefix, top)`` counts them (int64 ``[B, top + 1]``, e.g.
     :func:`~vocabpar.kernels.fused.logit_histogram`); ``need`` ``[B]``, or a function of the
-    rows' total weight (measured by the first round). Three histogram all-reduces of ``rows >= B``
-    rows each resolve 11, 11 and 10 bits of ``v``: the same collectives whatever the keys hold."""
+    rows' total weight (measured by the first round). One histogram all-reduce of ``rows >= B``
+    rows per round resolves ``search_bits[i]`` bits of ``v`` (they add up to 32): the same
+    collectives whatever the keys hold."""
     prefix = torch.zeros(B, dtype=torch.long, device=device)
     shift = 32
-    for bits in ENGINE_SEARCH_BITS:
+    for bits in search_bits:
         top = 1 << bits  # the "above" column; the tokens below the bucket weigh nothing
         hist = torch.zeros(rows, top + 1, dtype=torch.long, device=device)
         hist[:B] = local_histogram(shift, bits, prefix, top)

@@ -23,9 +23,8 @@ collective whose count depends on the data. :class:`Sampler` is built for that:
 
 Collectives per ``sample`` call: greedy 1; sampled rows whose kept set lies in each rank's top-c
 candidates (top-k <= c, or nothing unsent) 2 (round one, the draw); a top-p or large top-k search
-adds 3 histogram all-reduces each; logprobs add 2. Tokens equal
-:func:`~vocabpar.sampling.reference.reference_sample` (on the upcast logits) bit for bit at any
-world size.
+adds one histogram all-reduce per round of ``search_bits`` each; logprobs add 2. Tokens equal
+:func:`~vocabpar.sampling.reference.reference_sample` (upcast logits) bit for bit at any world size.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ from vocabpar import comm
 from vocabpar.hashing import MASK62, fingerprint
 from vocabpar.kernels.fused import nan_and_ties
 from vocabpar.layout import VocabLayout
+from vocabpar.plan.machine import link
 from vocabpar.sampling.candidates import shard_top
 from vocabpar.sampling.failures import Check, Failures, Packed, rejected_input
 from vocabpar.sampling.fixed import Choice, DraftPairs, padded
@@ -63,7 +63,14 @@ from vocabpar.sampling.semantics import (
 )
 from vocabpar.wire.records import INPUT_WORDS, folded, round_one, score
 from vocabpar.wire.scripts import ENGINE_FACTS as FACTS
-from vocabpar.wire.scripts import EnginePlan, engine_plan, engine_sample_script, engine_score_script
+from vocabpar.wire.scripts import (
+    EnginePlan,
+    checked_search_bits,
+    choose_search_bits,
+    engine_plan,
+    engine_sample_script,
+    engine_score_script,
+)
 
 SAMPLE_FACTS = ("rows", "plan", "sampling parameters", "logprobs", "positions", "token counts", "bitmask",
                 "draft tokens", "draft logits")
@@ -114,10 +121,14 @@ class Sampler:
     bound: ``max_rows`` itself, or with ``max_drafts=k`` given ``max_rows·(2k+1)``, which fits
     any prepared batch verifying up to ``k`` drafts per row (``verify``'s messages then carry
     that many rows). ``check``: fold the agreement check into each call's first collective (it
-    costs words, not collectives)."""
+    costs words, not collectives). ``search_bits``: the rounds of a threshold search (adding up to
+    32 bits), by default the fastest for ``max_rows`` on a link of ``latency`` s and ``bandwidth``
+    B/s (the device type's when not given): :func:`~vocabpar.wire.scripts.choose_search_bits`."""
 
     def __init__(self, layout: VocabLayout, *, max_rows: int, max_top_n: int = 0,
-                 max_drafts: int | None = None, group: comm.ProcessGroup = None, check: bool = True) -> None:
+                 max_drafts: int | None = None, group: comm.ProcessGroup = None, check: bool = True,
+                 search_bits: tuple[int, ...] | None = None, latency: float | None = None,
+                 bandwidth: float | None = None) -> None:
         bounds = [("max_rows", max_rows, 1), ("max_top_n", max_top_n, 0)]
         for name, value, low in bounds + [("max_drafts", max_drafts, 0)] * (max_drafts is not None):
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= LIMIT:
@@ -126,23 +137,24 @@ class Sampler:
         if max_top_n > layout.vocab_size:
             raise ValueError(f"max_top_n must be at most vocab_size={layout.vocab_size}, got {max_top_n}")
         self.layout, self.group, self.max_rows, self.max_top_n = layout, group, max_rows, max_top_n
-        self.max_drafts = max_drafts
-        self.verify_rows = max_rows if max_drafts is None else max_rows * (2 * max_drafts + 1)
+        self.max_drafts, self.verify_rows = max_drafts, max_rows * (2 * (max_drafts or 0) + 1)
         """The most rows ``verify`` stacks, and the rows its messages carry."""
         if self.verify_rows > LIMIT:
             raise ValueError(f"max_rows·(2·max_drafts+1) must be at most 2**24, got {self.verify_rows}")
         self.check = bool(check)
         self.ranks = group_ranks(layout, group)
+        device = comm.device(group)
+        self.search_bits = checked_search_bits(search_bits) if search_bits is not None else \
+            choose_search_bits(max_rows, self.ranks.n, *link(device.type, latency, bandwidth))
         if self.ranks.n > 1:
             comm.verify_consistent(group, sampler="vocabpar.Sampler", layout=layout.describe(),
                                    max_rows=max_rows, max_top_n=max_top_n, max_drafts=max_drafts,
-                                   check=self.check)
+                                   check=self.check, search_bits=self.search_bits)
         self.padded = bool((self.ranks.ids < 0).any())
         self.widest = min(max(self.ranks.real_counts), layout.vocab_size)
         self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._countdowns: dict[tuple[torch.device, int], torch.Tensor] = {}
-        device = comm.device(group)  # the usual device's constants now, not in a first call
-        self._columns(device)
+        self._columns(device)  # the usual device's constants now, not in a first call
         for rows in {max_rows, self.verify_rows}:
             self._countdown(device, rows)
 
@@ -195,7 +207,8 @@ class Sampler:
         """The script of a ``sample`` call on these (host) parameters."""
         return engine_plan(self.max_rows, self.ranks.n, self.widest, self.layout.vocab_size,
                            greedy=host.greedy.tolist(), top_k=host.top_k.tolist(), top_p=host.top_p.tolist(),
-                           min_p=host.min_p.tolist(), top_n=None if host.logprobs is None else self.max_top_n)
+                           min_p=host.min_p.tolist(), top_n=None if host.logprobs is None else self.max_top_n,
+                           search_bits=self.search_bits)
 
     def _facts(self, facts: list[int | torch.Tensor], device: torch.device) -> torch.Tensor:
         """int64 ``[FACTS]``: ints and 0-dim tensors as they are, other tensors by

@@ -153,7 +153,7 @@ class Choice:
         if plan.top_k_search:
             large = topk & ~exact_k
             v = threshold(counted(torch.where(large, no_min, float("inf")), no_min, True), B, k, ranks,
-                          plan.rows, x.device)
+                          plan.rows, x.device, plan.search_bits)
             kappa = torch.where(large, key_value(v - 2**31), kappa)
         # 2. top-p
         topp = sampled & (rows.top_p < 1)
@@ -177,7 +177,7 @@ class Choice:
             pool_z = min_z if order == "vllm" else no_min
             pooled = counted(torch.where(search, kappa.double(), float("inf")), pool_z, False)
             v = threshold(pooled, B, lambda measured: top_p_target(measured, rows.top_p), ranks, plan.rows,
-                          x.device)
+                          x.device, plan.search_bits)
             tau = torch.where(search, key_value(v - 2**31), tau)
         self.thr = torch.maximum(kappa, tau)
         # 3. the draw

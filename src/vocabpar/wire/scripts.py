@@ -233,12 +233,52 @@ def verify_price(paths: tuple[VerifyPath, VerifyPath], ranks: int) -> Traffic:
 
 
 # ---------------------------------------------------------------------- the engine's fixed scripts
-ENGINE_SEARCH_BITS = (11, 11, 10)
 ENGINE_FACTS = 10
 """Words of the check an engine call folds into its first message: one per fact the ranks must
 share."""
-"""Key bits each histogram round of an engine threshold search resolves: three rounds always
-find the exact 32-bit key, whatever the logits hold (ties included)."""
+KEY_BITS = 32
+"""An engine threshold search finds an exact 32-bit order key, whatever the logits hold (ties
+included), in rounds that each resolve some of its bits."""
+SEARCH_WIDTHS = range(4, 12)
+"""How many bits one round of an engine search may resolve: the choices :func:`choose_search_bits`
+weighs (a round of ``b`` bits all-reduces ``2**b + 1`` words per row). Never more than 11: each
+rank also builds, zeroes and scans its ``2**b``-bin histograms, work the price leaves out."""
+
+
+def search_bits(width: int) -> tuple[int, ...]:
+    """The 32 key bits in the fewest rounds of at most ``width`` bits, the wider rounds first:
+    ``search_bits(11) == (11, 11, 10)``, ``search_bits(8) == (8, 8, 8, 8)``."""
+    if width not in SEARCH_WIDTHS:
+        raise ValueError(f"a search round resolves {SEARCH_WIDTHS.start}-{SEARCH_WIDTHS.stop - 1} bits, "
+                         f"got {width}")
+    rounds = -(-KEY_BITS // width)
+    base, wider = divmod(KEY_BITS, rounds)
+    return tuple(base + (i < wider) for i in range(rounds))
+
+
+def checked_search_bits(bits: tuple[int, ...]) -> tuple[int, ...]:
+    """``bits`` as a tuple, when they are rounds of :data:`SEARCH_WIDTHS` bits adding up to 32;
+    else ``ValueError``."""
+    rounds = tuple(bits) if isinstance(bits, (tuple, list)) else ()
+    bad = any(isinstance(b, bool) or b not in SEARCH_WIDTHS for b in rounds)
+    if not rounds or bad or sum(rounds) != KEY_BITS:
+        raise ValueError(f"search_bits must be rounds of {SEARCH_WIDTHS.start}-{SEARCH_WIDTHS.stop - 1} bits "
+                         f"adding up to {KEY_BITS}, got {bits!r}")
+    return rounds
+
+
+ENGINE_SEARCH_BITS = search_bits(11)
+"""The rounds of an engine search unless the sampler chooses others: three, 11, 11 and 10 bits."""
+
+
+def choose_search_bits(rows: int, ranks: int, latency: float, bandwidth: float) -> tuple[int, ...]:
+    """The rounds whose search takes least time for messages of ``rows`` rows on ``ranks`` ranks:
+    each round costs ``latency`` seconds plus the bytes one rank receives (priced by the same
+    histogram records the search sends) over ``bandwidth`` bytes/s. Ties go to fewer rounds."""
+    def seconds(bits: tuple[int, ...]) -> float:
+        return len(bits) * latency + price(engine_search_script(rows, bits), ranks).bytes / bandwidth
+    choices = sorted({search_bits(w) for w in SEARCH_WIDTHS}, key=len)
+    return min(choices, key=seconds)
 
 
 @dataclass(frozen=True)
@@ -258,11 +298,12 @@ class EnginePlan:
     draw: bool = False
     top_n: int | None = None
     drafts: bool = False
+    search_bits: tuple[int, ...] = ENGINE_SEARCH_BITS
 
 
 def engine_plan(rows: int, ranks: int, widest: int, vocab: int, *, greedy: Sequence[bool],
                 top_k: Sequence[int], top_p: Sequence[float], min_p: Sequence[float],
-                top_n: int | None = None) -> EnginePlan:
+                top_n: int | None = None, search_bits: tuple[int, ...] = ENGINE_SEARCH_BITS) -> EnginePlan:
     """The plan of an engine ``sample`` call padded to ``rows`` rows, from its rows' parameters
     alone (``widest``: the most real tokens one rank holds; ``top_k`` 0 is off). Candidates as
     the adaptive sampler sends; with some rank's tokens unsent, a top-k beyond the candidates
@@ -270,7 +311,7 @@ def engine_plan(rows: int, ranks: int, widest: int, vocab: int, *, greedy: Seque
     by an all-gather; with every token sent, the candidates decide everything."""
     sampled = [not g for g in greedy]
     if not any(sampled):
-        return EnginePlan(rows, 0, top_n=top_n)
+        return EnginePlan(rows, 0, top_n=top_n, search_bits=search_bits)
     small = [k for s, k in zip(sampled, top_k) if s and 0 < k <= MAX_CANDIDATES]
     c = candidate_count(ranks, widest, top_k=max(small, default=0),
                         top_p=any(s and p < 1 for s, p in zip(sampled, top_p)),
@@ -279,11 +320,12 @@ def engine_plan(rows: int, ranks: int, widest: int, vocab: int, *, greedy: Seque
     large_k = any(s and c < k < vocab for s, k in zip(sampled, top_k))
     top_p_alone = any(s and p < 1 and not 0 < k <= c for s, k, p in zip(sampled, top_k, top_p))
     return EnginePlan(rows, c, top_k_search=unsent and large_k, top_p_search=unsent and top_p_alone,
-                      draw=unsent, top_n=top_n)
+                      draw=unsent, top_n=top_n, search_bits=search_bits)
 
 
-def engine_search_script(rows: int) -> Script:
-    return tuple(Message("all_reduce", histogram(bits), rows) for bits in ENGINE_SEARCH_BITS)
+def engine_search_script(rows: int, bits: tuple[int, ...] = ENGINE_SEARCH_BITS) -> Script:
+    """One threshold search: a histogram all-reduce of ``rows`` rows per round of ``bits``."""
+    return tuple(Message("all_reduce", histogram(b), rows) for b in bits)
 
 
 def engine_sample_script(plan: EnginePlan) -> Script:
@@ -291,7 +333,7 @@ def engine_sample_script(plan: EnginePlan) -> Script:
     ``plan.drafts``, of ``verify``): the same collectives with the same sizes for any logits."""
     rows = plan.rows
     script = (Message("all_gather", folded(round_one(plan.candidates, ties=True), rows, plan.facts), 1),)
-    script += engine_search_script(rows) * (plan.top_k_search + plan.top_p_search)
+    script += engine_search_script(rows, plan.search_bits) * (plan.top_k_search + plan.top_p_search)
     if plan.draw:
         script += (Message("all_gather", DRAW, rows),)
     if plan.drafts:
