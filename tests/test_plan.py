@@ -173,7 +173,12 @@ def test_other_preset_per_design():
         assert cost.memory_bytes == cost.weight_bytes + cost.logits_buffer_bytes
         assert cost.step_time_s == pytest.approx(cost.collectives * LATENCY + cost.step_bytes / 300e9
                                                  + cost.launches * LAUNCH + cost.host_reads * SYNC
-                                                 + cost.head_flops / 600e12)
+                                                 + cost.head_time_s)
+        cols = 152064 if cost.name in ("deepinfer-replicated", "llama.cpp") else rows
+        assert cost.head_time_s == pytest.approx(max(cost.head_flops / 600e12, cols * 3584 * 2 / 3.35e12))
+    # decode is memory-bound: the replicated head reads 8 times the bytes of a shard for its 8 rows
+    assert c["deepinfer-replicated"].head_time_s == pytest.approx(152064 * 3584 * 2 / 3.35e12)
+    assert c["vllm-all-gather"].head_time_s == pytest.approx(rows * 3584 * 2 / 3.35e12)
     assert min(x.extra_memory_bytes for x in c.values()) == 0
     kv = 28 * 2 * 4 * 128 * 2  # Qwen2.5-7B: 28 layers, K and V, 4 KV heads of 128, BF16; DP 8: whole per rank
     assert w.kv_bytes_per_token == kv
@@ -203,9 +208,12 @@ def test_workload_validation():
 
 # ---------------------------------------------------------------------- recommendation
 def test_recommendation_trades_memory_for_latency():
-    """Bytes and collectives alone (no launch or host-read cost): replication wins under DP
-    attention when memory allows, sampling on shards when it does not or attention is TP."""
-    study = replace(STUDY, **BYTES_ONLY)
+    """Bytes and collectives alone (no launch or host-read cost), the head priced by its FLOPs
+    (weights read in no time): replication wins under DP attention when memory allows, sampling
+    on shards when it does not or attention is TP. At an H100's memory bandwidth decode reads
+    the replicated head's whole matrix per step (1.3 GB for the study's model, 395 us) where a
+    shard reads an eighth: replication no longer wins."""
+    study = replace(STUDY, **BYTES_ONLY, memory_bandwidth=1e18)
     dp = P.plan(replace(study, dp=8))
     rec = P.recommend(dp)
     assert rec.design == "deepinfer-replicated" and "KV cache" in rec.reason
@@ -217,6 +225,10 @@ def test_recommendation_trades_memory_for_latency():
     for bad in (-1, math.inf, math.nan, 1e300):
         with pytest.raises(ValueError, match="headroom"):
             P.recommend(dp, headroom_bytes=bad)
+    decode = {c.name: c for c in P.plan(replace(STUDY, **BYTES_ONLY, dp=8))}
+    assert decode["deepinfer-replicated"].head_time_s == pytest.approx(129280 * 5120 * 2 / 3.35e12)
+    assert decode["deepinfer-replicated"].step_time_s > decode["vocabpar-sharded"].step_time_s
+    assert P.recommend(list(decode.values())).design != "deepinfer-replicated"
 
 
 def test_recommendation_when_nothing_fits():

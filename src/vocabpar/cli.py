@@ -125,7 +125,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         tied=model.tied if args.tied is None else args.tied,
         ranks=ranks, dp=args.dp, batch=args.batch, tokens=args.tokens,
         weight_dtype_bytes=plan.dtype_bytes(dtypes[0]), logits_dtype_bytes=plan.dtype_bytes(dtypes[1]),
-        bandwidth=args.bandwidth * 1e9, flops=args.flops * 1e12, kv_bytes_per_token=kv, pad_to=args.pad_to,
+        bandwidth=args.bandwidth * 1e9, flops=args.flops * 1e12, memory_bandwidth=args.memory_bandwidth * 1e9,
+        kv_bytes_per_token=kv, pad_to=args.pad_to,
         latency=given(args.latency_us, mode.latency), launch=given(args.launch_us, mode.launch),
         sync=given(args.sync_us, mode.sync),
         sampling=plan.Sampling(_temperature(args), args.top_k, args.top_p, args.min_p),
@@ -374,6 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     _number(p, "--sync-us", float, L["sync"], "microseconds per host read of a device value (default: the "
             "mode's)", scale=1e-6)
     _number(p, "--flops", float, L["flops"], "effective TFLOP/s", scale=1e12, default=600.0)
+    _number(p, "--memory-bandwidth", float, L["memory_bandwidth"], "GB/s a rank reads its weights at (the "
+            "head's floor at decode)", scale=1e9, default=3350.0)
     _number(p, "--kv-bytes-per-token", float, L["kv_bytes_per_token"], "KV cache bytes per token and rank "
             "(default: from the model)")
     _number(p, "--pad-to", int, L["pad_to"], "vocab padding multiple (padded scheme)", default=64)

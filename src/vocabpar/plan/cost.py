@@ -3,7 +3,8 @@
 The step a workload runs is a decode step, or with ``spec_tokens`` a verification step (the
 target model fed the last token and the drafts, its ``B·(K+1)`` rows verified; the draft model's
 own decoding left out). Its time is ``collectives·latency + bytes/bandwidth + launches·launch +
-host_reads·sync + head FLOPs/flops``, typical and worst; the recommendation, the winner map and
+host_reads·sync + head``, the head the longer of its FLOPs/flops and of reading its matrix at the
+memory bandwidth, typical and worst; the recommendation, the winner map and
 the crossover read the typical case. Traffic comes from :mod:`vocabpar.plan.model` (the wire's
 scripts), launches and host reads from :mod:`vocabpar.plan.host` (measured code paths), plus the
 one copy of a step's sampled ids to the host that every design makes.
@@ -20,9 +21,9 @@ from vocabpar.plan.model import (
     Design,
     Workload,
     busiest_owner,
-    compute_time,
     embedding_exchange_bytes,
     head_flops,
+    head_time,
     hidden_gather_bytes,
     kv_tokens,
     logits_buffer_bytes,
@@ -185,15 +186,15 @@ def design_cost(design: Design, w: Workload) -> DesignCost:
     verify = verify_traffic(design.strategy, w, n, design.scheme, design.sampler)
     scored, score_peak = score_bytes(design.strategy, w, n, design.scheme)
     flops = head_flops(s.local_rows(w.batch * (w.spec_tokens + 1), dp), cols, w.hidden)
-    head_time = compute_time(flops, w.flops)
+    head = head_time(flops, weight_bytes(cols, w.hidden, w.weight_dtype_bytes, 1), w)
     return DesignCost(
         name=design.name, engine=design.engine, summary=design.describe(dp), ranks=n, sampler=design.sampler,
         step=step, weight_bytes=weights, logits_buffer_bytes=logits, memory_bytes=weights + logits,
         embedding_bytes=embedding, embedding_time_s=transfer_time(embedding, w.bandwidth),
         hidden_gather_bytes=hidden, collection_bytes=collection,
         step_bytes=traffic.bytes, step_bytes_worst=traffic.bytes_worst, head_flops=flops,
-        head_time_s=head_time, step_time_s=seconds(w, traffic, work) + head_time,
-        step_time_worst_s=seconds(w, traffic, work, True) + head_time, collectives=traffic.collectives,
+        head_time_s=head, step_time_s=seconds(w, traffic, work) + head,
+        step_time_worst_s=seconds(w, traffic, work, True) + head, collectives=traffic.collectives,
         collectives_worst=traffic.collectives_worst,
         launches=work.launches, launches_worst=work.launches_worst, host_reads=work.reads,
         host_reads_worst=work.reads_worst, verify_bytes=verify.bytes, verify_collectives=verify.collectives,

@@ -68,6 +68,7 @@ LIMITS: dict[str, tuple[float, float]] = {
     "vocab": (1, 2**31), "hidden": (1, 2**20), "ranks": (1, 2**16), "dp": (1, 2**16),
     "batch": (0, 2**24), "tokens": (0, 2**31), "weight_dtype_bytes": (1, 8), "logits_dtype_bytes": (1, 8),
     "pad_to": (1, 2**20), "bandwidth": (1e3, 1e18), "flops": (1e6, 1e21), "kv_bytes_per_token": (1e-3, 1e12),
+    "memory_bandwidth": (1e6, 1e18),
     "latency": (0.0, 1.0), "launch": (0.0, 1.0), "sync": (0.0, 1.0),
     "spec_tokens": (0, 2**10), "score_tokens": (0, 2**31), "score_top_n": (0, 2**10),
     "skew": (0.0, 1.0), "headroom": (0, 1e6 * GiB),
@@ -205,6 +206,15 @@ def compute_time(flops: float, throughput: float) -> float:
     return flops / throughput
 
 
+def head_time(flops: float, weight_bytes: float, w: Workload) -> float:
+    """Seconds of a rank's LM head: the longer of its FLOPs at ``w.flops`` and of reading its
+    ``weight_bytes`` at ``w.memory_bandwidth`` (decode is memory-bound: a small batch still
+    reads the whole matrix). No rows, no head."""
+    if not flops:
+        return 0.0
+    return max(compute_time(flops, w.flops), transfer_time(weight_bytes, w.memory_bandwidth))
+
+
 def kv_tokens(nbytes: float, kv_bytes_per_token: float) -> int:
     """KV-cache tokens that ``nbytes`` of memory would hold."""
     return math.floor(nbytes / kv_bytes_per_token)
@@ -264,6 +274,8 @@ class Workload:
     probabilities with the top ``score_top_n``) per request. ``skew``: the share of a forward's
     tokens owned by the busiest rank (``None``: balanced, 1/ranks). ``kv_bytes_per_token``: the
     KV cache one token takes on each rank, from the model (``None``: unknown, no KV column).
+    ``memory_bandwidth``: bytes/s a rank reads its weights at (an H100's HBM3: 3.35 TB/s), which
+    bounds the head at decode from below: its matrix is read whole whatever the batch.
     ``latency``/``launch``/``sync``: seconds per collective, kernel launch and host read. Every
     numeric field lies in its ``LIMITS`` range, which keeps every planned quantity finite."""
 
@@ -278,6 +290,7 @@ class Workload:
     logits_dtype_bytes: int = 2
     bandwidth: float = 300e9
     flops: float = 600e12
+    memory_bandwidth: float = 3.35e12
     kv_bytes_per_token: float | None = None
     pad_to: int = 64
     latency: float = LATENCY
