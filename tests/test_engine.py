@@ -66,8 +66,10 @@ CONFIGS = {
     "logprobs processed": SamplingParams(temperature=0.7, top_k=40, logprobs=3, logprobs_of="processed"),
 }
 PER_ROW = ("temperature", "top_k", "top_p", "min_p")
-SEARCH_CHOICES = ((8, 8, 8, 8), (6, 6, 5, 5, 5, 5), (4,) * 8)
-"""Threshold-search rounds other than the default, each run on flat and tied rows."""
+SEARCH_CASES = (((8, 8, 8, 8), "tied", "top-p 0.9"), ((8, 8, 8, 8), "flat", "top-k 1000"),
+                ((6, 6, 5, 5, 5, 5), "flat", "top-p 0.9"), ((4,) * 8, "tied", "top-k 1000"))
+"""Threshold-search rounds other than the default, on flat and tied rows: (rounds, family,
+configuration)."""
 
 
 def _params(config: str, B: int) -> SamplingParams:
@@ -140,13 +142,11 @@ def _engine_all():
                     out["verify", layout.scheme, family, config, with_logits] = _call(
                         verifier.verify, _shard(target, layout), batch, drafts, local_draft)
         out.setdefault("search bits", {})[layout.scheme] = sampler.search_bits
-        for bits in SEARCH_CHOICES:  # any rounds give the same tokens, ties included
+        for bits, family, config in SEARCH_CASES:  # any rounds give the same tokens, ties included
             chosen = Sampler(layout, max_rows=MAX_ROWS, search_bits=bits)
-            for family in ("flat", "tied"):
-                for config in ("top-p 0.9", "top-k 1000"):
-                    batch = chosen.prepare(_params(config, 12), positions=torch.arange(12) * 3)
-                    out["bits", layout.scheme, bits, family, config] = _call(
-                        chosen.sample, _shard(FAMILIES[family], layout), batch)
+            batch = chosen.prepare(_params(config, 12), positions=torch.arange(12) * 3)
+            out["bits", layout.scheme, bits, family, config] = _call(
+                chosen.sample, _shard(FAMILIES[family], layout), batch)
         unchecked = Sampler(layout, max_rows=MAX_ROWS, check=False)
         batch = unchecked.prepare(_params("top-p 0.9", 12), positions=torch.arange(12) * 3)
         out["unchecked", layout.scheme] = _call(unchecked.sample, _shard(FAMILIES["flat"], layout), batch)
@@ -280,7 +280,7 @@ def test_tokens_and_logprobs_equal_the_reference(engine):
         for key in (k for k in out if k[0] == "penalised"):
             assert torch.equal(out[key][0].tokens, _reference_penalised(key[2]).tokens), (n, key)
         chosen = [key for key in out if key[0] == "bits"]
-        assert len(chosen) == 3 * len(SEARCH_CHOICES) * 2 * 2
+        assert len(chosen) == 3 * len(SEARCH_CASES)
         for _, scheme, bits, family, config in chosen:
             got, _, sent = out["bits", scheme, bits, family, config]
             got.raise_if_failed()

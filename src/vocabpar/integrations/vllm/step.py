@@ -257,6 +257,7 @@ class ShardedSampling:
         self.stats.gathered_bytes += shard.numel() * shard.element_size() * (self.tp_size - 1)
 
     def _fallback(self, cause: str) -> None:
+        """Count a step vLLM samples; the first of each cause is logged on rank 0."""
         self.stats.fallback_steps[cause] += 1
         if cause not in self._logged and self.tp_rank == 0:
             self._logged.add(cause)
@@ -267,35 +268,22 @@ class ShardedSampling:
         """The step's ``SamplerOutput``: from the sharded sampler, or from ``vllm_sample`` on the
         gathered logits when the step falls back."""
         self.holds_shard = False
-        runner = self.runner
-        batch = runner.input_batch
+        batch = self.runner.input_batch
         batch.update_async_output_token_ids()  # as vLLM's _sample does before penalties
         req_ids = list(batch.req_ids)
-        bitmask = None
+        bitmask, grammar_rows = None, False
         if self.grammar is not None:
             bitmask = ordered_bitmask(req_ids, self.grammar[2], math.ceil(self.vocab_size / 32))
-        cause = fallback_cause(runner, self.grammar is not None and any(
-            rid in self.grammar[2].structured_output_request_ids for rid in req_ids))
+            grammar_rows = any(rid in self.grammar[2].structured_output_request_ids for rid in req_ids)
+        cause = fallback_cause(self.runner, grammar_rows)
         if cause is None and shard.shape[0] != len(req_ids):
             cause = "rows"
         if cause is None and self.grammar is not None and bitmask is None:
             cause = "bitmask"
         if cause is None:
-            inputs = self._inputs(req_ids, bitmask)
-            with comm.recording() as calls:
-                prepared = self.sampler.prepare(inputs["params"], positions=inputs["positions"],
-                                                token_counts=inputs["token_counts"],
-                                                bitmask=inputs["bitmask"], device=shard.device)
-                out = self.sampler.sample(shard, prepared)
-            host = out.to_host()  # the one copy of the ids, with the flags
-            if not bool(host.failures.failed().any()):
-                self.stats.sharded_steps += 1
-                self.stats.sharded_bytes += sum(received for _, received in calls)
-                if self.settings.record:
-                    self.records.append({**inputs, "logits": self._gather(shard).cpu(), "tokens": host.tokens,
-                                         "logprobs": host.logprobs, "top_ids": host.top_ids,
-                                         "top_logprobs": host.top_logprobs, "ranks": host.ranks})
-                return self._output(out, inputs["params"].logprobs is not None)
+            output = self._on_shards(shard, req_ids, bitmask)
+            if output is not None:
+                return output
             cause = "flagged"
         self._fallback(cause)
         self.count_gather(shard)
@@ -304,6 +292,27 @@ class ShardedSampling:
             apply, scheduler_output, grammar_output = self.grammar
             apply(scheduler_output, grammar_output, batch, full)
         return vllm_sample(full)
+
+    def _on_shards(self, shard: torch.Tensor, req_ids: list[str], bitmask: torch.Tensor | None) -> Any:
+        """The ``SamplerOutput`` of the sharded sampler, ``None`` when it flags a row. vLLM keeps
+        every parameter within vocabpar's ranges, so ``prepare`` raising would be a bug: it
+        raises alike on every rank, before any collective."""
+        inputs = self._inputs(req_ids, bitmask)
+        prepared = self.sampler.prepare(inputs["params"], positions=inputs["positions"],
+                                        token_counts=inputs["token_counts"], bitmask=inputs["bitmask"],
+                                        device=shard.device)
+        with comm.recording() as calls:
+            out = self.sampler.sample(shard, prepared)
+        host = out.to_host()  # the one copy of the ids, with the flags
+        if bool(host.failures.failed().any()):
+            return None
+        self.stats.sharded_steps += 1
+        self.stats.sharded_bytes += sum(received for _, received in calls)
+        if self.settings.record:
+            self.records.append({**inputs, "logits": self._gather(shard).cpu(), "tokens": host.tokens,
+                                 "logprobs": host.logprobs, "top_ids": host.top_ids,
+                                 "top_logprobs": host.top_logprobs, "ranks": host.ranks})
+        return self._output(out, inputs["params"].logprobs is not None)
 
     def _gather(self, shard: torch.Tensor) -> torch.Tensor:
         """The step's logits as vLLM would have gathered them: ``[B, vocab_size]``."""
