@@ -161,3 +161,24 @@ def test_bytes_each_rank_receives_per_decode_step(served):
         assert per_shard_step > 0 and per_gather_step > 0
         lines.append(f"{name:17s} gather {per_gather_step:8.0f} B/step   shards {per_shard_step:8.0f} B/step")
     print("\nTP 2, bytes rank 0 received per decode step for the logits:\n" + "\n".join(lines))
+
+
+def test_on_an_untested_release_the_plugin_installs_nothing():
+    """register() on vLLM 0.32.0 wraps the runner's execute_model; on any other release it leaves
+    vLLM as it is and, with VOCABPAR_VLLM=1, says why."""
+    script = """
+import logging, sys
+import vllm
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vocabpar.integrations import vllm as plugin
+logging.getLogger("vllm.vocabpar").addHandler(logging.StreamHandler(sys.stdout))
+vllm.__version__ = sys.argv[1]
+plugin.register()
+print("wrapped" if "_execute_model" in GPUModelRunner.execute_model.__qualname__ else "untouched")
+"""
+    for version, expected in (("0.32.0", "wrapped"), ("0.33.0", "untouched")):
+        done = subprocess.run([sys.executable, "-c", script, version], capture_output=True, text=True,
+                              env=os.environ | {"VOCABPAR_VLLM": "1"}, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.splitlines()[-1] == expected, done.stdout
+    assert "vLLM 0.33.0 is not one of the tested releases ('0.32.0',); the plugin stays off" in done.stdout

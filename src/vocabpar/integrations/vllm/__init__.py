@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from vocabpar.integrations.vllm.step import Settings, ShardedSampling
+from vocabpar.integrations.vllm.step import SUPPORTED_VERSIONS, Settings, ShardedSampling, log
 
 ENV = "VOCABPAR_VLLM"
 """``1`` switches the plugin on for every engine of the process (its workers inherit it)."""
@@ -46,9 +46,17 @@ def settings_of(vllm_config: Any) -> Settings | None:
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: wraps the V1 runner's ``execute_model`` so that
-    each runner decides, at its first step, whether the plugin is on for it. Nothing else of
-    vLLM changes until a runner switches it on."""
+    """The ``vllm.general_plugins`` entry point: on a vLLM release it was tested with, wraps the
+    V1 runner's ``execute_model`` so that each runner decides, at its first step, whether the
+    plugin is on for it (nothing else of vLLM changes until one does); on any other release it
+    changes nothing, and says so when ``VOCABPAR_VLLM`` asks for it."""
+    import vllm
+
+    if vllm.__version__ not in SUPPORTED_VERSIONS:
+        if os.environ.get(ENV, "") not in ("", "0"):
+            log.warning("vocabpar: vLLM %s is not one of the tested releases %s; the plugin stays off",
+                        vllm.__version__, SUPPORTED_VERSIONS)
+        return
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     _wrap(GPUModelRunner, "execute_model", _execute_model)
