@@ -18,8 +18,7 @@ the fusable alternative built from the library's own compiled passes: ``Tensor.t
 candidates beside the three digit ``histogram`` rounds and the ``members`` pass an exact radix
 select needs at least (its compaction of the flags into columns not counted), and the engine's
 round-one checks as one compiled pass beside the same operations eager. Then, side by side,
-the functional call with the threshold search's rounds always on the listed bucket and as shipped,
-and with every top-p row searched and as shipped (top-p rows drawn from their pool first).
+the functional call with the threshold search's rounds always on the listed bucket and as shipped.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ import torch
 from vocabpar import SamplingParams, VocabLayout, comm, sample
 from vocabpar.kernels import fused
 from vocabpar.launch import run
-from vocabpar.sampling import Sampler, search, sharded
+from vocabpar.sampling import Sampler, search
 from vocabpar.wire.scripts import candidate_count
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -75,9 +74,6 @@ ALTERNATIVES = {
     "search": (search, "DENSE_SHARE", (1, search.DENSE_SHARE), "listed", "shipped",
                "the search's rounds on the listed bucket vs as shipped (in place when the bucket "
                f"holds over 1/{search.DENSE_SHARE} of the shard)"),
-    "nominee": (sharded, "NOMINATE_FROM", (2.0, sharded.NOMINATE_FROM), "search", "nominee",
-                "every top-p row searched for its threshold vs top-p rows drawn from their pool "
-                "first, searched only when the token lies outside the nucleus (as shipped)"),
 }
 """Side-by-side runs of the functional ``sample()``: a module constant set to the form not
 shipped, then to the shipped one."""

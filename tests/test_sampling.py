@@ -697,24 +697,25 @@ def test_per_row_logprobs_and_processed_logprobs_follow_their_definitions():
 
 
 def _families(B: int, V: int) -> dict[str, torch.Tensor]:
-    """The benchmark's logit families at a small size: peaked, flat, zipf (see bench_sampling)."""
+    """The benchmark's logit families at a small size: peaked, flat, zipf (see bench_sampling),
+    and tied: eight values shared by every token."""
     g = torch.Generator().manual_seed(3)
     zipf = torch.stack([-1.1 * torch.log1p(torch.randperm(V, generator=g).float()) for _ in range(B)])
     return {"peaked": torch.randn(B, V, generator=g) * 5, "flat": torch.randn(B, V, generator=g) * 0.5,
-            "zipf": zipf + torch.randn(B, V, generator=g) * 0.1}
+            "zipf": zipf + torch.randn(B, V, generator=g) * 0.1,
+            "tied": torch.randint(0, 8, (B, V), generator=g).float() * 0.25}
 
 
-# config -> (family, params, collectives per call with the agreement check off)
+# config -> (family, params, the most collectives a call may take with the agreement check off)
 COLLECTIVE_COUNTS = {
     "greedy": ("peaked", SamplingParams(temperature=0), 1),
     "mixed": ("peaked", SamplingParams(temperature=0.8, top_k=50, top_p=0.95, min_p=0.05), 1),
-    "top-p peaked": ("peaked", SamplingParams(top_p=0.9), 2),
-    "top-p zipf": ("zipf", SamplingParams(top_p=0.9), 3),  # every row's pool winner is in its nucleus
-    "top-p flat": ("flat", SamplingParams(top_p=0.9), 6),  # some are not: a search for those rows
+    **{f"top-p {family}": (family, SamplingParams(top_p=0.9), 4)
+       for family in ("peaked", "flat", "zipf", "tied")},
     "top-k 1000": ("peaked", SamplingParams(top_k=1000), 4),
+    "top-k 1000 tied": ("tied", SamplingParams(top_k=1000), 4),
     "min-p flat": ("flat", SamplingParams(min_p=0.1), 2),
-    "top-p flat logprobs": ("flat", SamplingParams(top_p=0.9, logprobs=2), 8),
-    # the kept sets are returned: every row's threshold is searched, no row is drawn from its pool
+    "top-p flat logprobs": ("flat", SamplingParams(top_p=0.9, logprobs=2), 6),
     "top-p flat processed": ("flat", SamplingParams(top_p=0.9, logprobs=2, logprobs_of="processed"), 6),
 }
 
@@ -739,10 +740,10 @@ def _count_collectives():
     return out
 
 
-def test_collectives_per_call_are_pinned_and_tokens_exact():
-    """The number of collectives per ``sample()`` call is deterministic for fixed inputs: each
-    benchmark configuration keeps its count (the agreement check adds exactly one), and the
-    tokens stay those of ``reference_sample``."""
+def test_collectives_per_call_keep_their_bound_and_tokens_exact():
+    """Each benchmark configuration takes at most its collectives per ``sample()`` call (top-p:
+    4, whatever the rows hold), the ones its script prices (the agreement check adds exactly
+    one), and the tokens stay those of ``reference_sample``."""
     B, V = 16, 12000
     families = _families(B, V)
     refs = {name: reference_sample(families[family], dataclasses.replace(params, seed=list(range(B))),
@@ -750,7 +751,7 @@ def test_collectives_per_call_are_pinned_and_tokens_exact():
             for name, (family, params, _) in COLLECTIVE_COUNTS.items()}
     for per_rank in run(_count_collectives, 4, timeout=120):
         for (scheme, name), (tokens, counts) in per_rank.items():
-            expected = COLLECTIVE_COUNTS[name][2]
+            bound = COLLECTIVE_COUNTS[name][2]
             assert torch.equal(tokens, refs[name]), (scheme, name)
-            assert sum(counts[False].values()) == expected, (scheme, name, counts[False])
+            assert sum(counts[False].values()) <= bound, (scheme, name, counts[False])
             assert counts[True].pop("agreement") == 1 and counts[True] == counts[False], (scheme, name)

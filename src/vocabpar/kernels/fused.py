@@ -214,7 +214,7 @@ Inductor stores a value that later steps read more than a few times (the fixed-p
 reduced argument, read by each of its thirteen Horner steps; a mass read by two sums) in an
 ``[F, R]`` float64 or int64 buffer, and reads it back in a second loop; kept in registers within
 one loop instead, ``[256, 32320]`` on one thread: ``mass_totals`` 130 → 55 ms, ``masses`` 154 →
-85 ms, ``split_totals`` 179 → 55 ms, ``members`` 43 → 26 ms, ``logit_histogram`` of masses 282 →
+85 ms, ``members`` 43 → 26 ms, ``logit_histogram`` of masses 282 →
 200 ms (of counts 69 → 76 ms). The hashing passes keep the default: inlined, their code
 generation did not finish in minutes."""
 inlined = functools.partial(Fused, options=INLINE)
@@ -238,16 +238,6 @@ def mass_totals(x: torch.Tensor, lower: torch.Tensor, temperature: torch.Tensor,
     """int64 ``[F]``: the row sums of :func:`masses` (same arguments), without writing ``[F, R]``
     (a third less time)."""
     return _masses(x, lower, temperature, min_z, z_max, scale).sum(1)
-
-
-@inlined
-def split_totals(x: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor, temperature: torch.Tensor,
-                 min_z: torch.Tensor, z_max: torch.Tensor, scale: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 ``[F]`` twice: the row sums of :func:`masses` (``lower`` and the rest as there) and
-    those of its tokens with ``x >= upper`` too (float64 ``[F]``), from one evaluation of each
-    mass."""
-    q = _masses(x, lower, temperature, min_z, z_max, scale)
-    return q.sum(1), torch.where(x >= upper[:, None], q, 0).sum(1)
 
 
 @Fused

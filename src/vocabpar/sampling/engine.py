@@ -41,7 +41,7 @@ from vocabpar.layout import VocabLayout
 from vocabpar.plan.machine import link
 from vocabpar.sampling.candidates import shard_top
 from vocabpar.sampling.failures import Check, Failures, Packed, rejected_input
-from vocabpar.sampling.fixed import Choice, DraftPairs, padded
+from vocabpar.sampling.fixed import DraftPairs, MaskedRows, padded
 from vocabpar.sampling.params import (
     ROW_FIELDS,
     Rows,
@@ -428,7 +428,7 @@ class Sampler:
 
     def _choose(self, raw: torch.Tensor, rows: Rows, positions: torch.Tensor, plan: EnginePlan,
                 facts: torch.Tensor, row_facts: torch.Tensor, problem: torch.Tensor, rejected: torch.Tensor,
-                token_counts: TokenCounts | None = None, bitmask: torch.Tensor | None = None) -> Choice:
+                token_counts: TokenCounts | None = None, bitmask: torch.Tensor | None = None) -> MaskedRows:
         """Round one (carrying the check: ``facts``, ``row_facts`` ``[plan.rows]``, this rank's
         (code, row) ``problem`` and ``rejected`` input words), thresholds and the draw on the
         ``B`` rows of float32 ``raw``, with the collectives of ``plan`` and no host read."""
@@ -465,7 +465,7 @@ class Sampler:
         codes = torch.where(nan_rows, 1, torch.where(best == NEG_INF, 2, 0))
         sampled = ~rows.greedy & (best < float("inf")) & (codes == 0)
         check = Check.of(got, self._countdown(device, M))
-        choice = Choice(raw, x, ids, real, tokens, sampled, codes, check, V)
+        choice = MaskedRows(raw, x, ids, real, tokens, sampled, codes, check, V)
         if c == 0:
             return choice.settle(tokens)
         return choice.sample(self.ranks, rows, positions, plan, first, best)

@@ -1,7 +1,7 @@
 """The engine sampler's steps after round one, for whole blocks of rows: thresholds, the draw
 and speculative verification's masses and correction, each with the plan's collectives only.
 
-The numbers are those of the adaptive sampler (:mod:`vocabpar.sampling.sharded`) and the
+The numbers are those of the adaptive sampler (:mod:`vocabpar.sampling.adaptive`) and the
 verifier (:mod:`vocabpar.sampling.verify`): exact integer masses, keyed Gumbel noise, the same
 tie rules. What changes is how they are reached: every row goes through every step the plan
 holds, masked instead of compacted, so no step reads a device value.
@@ -56,7 +56,7 @@ def padded(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 @dataclass
-class Choice:
+class MaskedRows:
     """A call's state after round one: this shard's ``raw`` and processed logits ``x`` ``[B,
     R]``, the columns' ``ids`` and ``real`` mask, the tokens so far, which rows are ``sampled``,
     the per-row failure ``codes`` and the folded :class:`~vocabpar.sampling.failures.Check`.
@@ -76,7 +76,7 @@ class Choice:
     min_z: torch.Tensor | None = None
     thr: torch.Tensor | None = None
 
-    def settle(self, tokens: torch.Tensor) -> Choice:
+    def settle(self, tokens: torch.Tensor) -> MaskedRows:
         """Final tokens: -1 for failed rows."""
         self.tokens = torch.where(self.codes > 0, -1, tokens)
         return self
@@ -112,7 +112,7 @@ class Choice:
         return self.x.double() / self.temperature[:, None]
 
     def sample(self, ranks: Ranks, rows: Rows, positions: torch.Tensor, plan: EnginePlan,
-               first: Unpacked, best: torch.Tensor) -> Choice:
+               first: Unpacked, best: torch.Tensor) -> MaskedRows:
         """Thresholds and the draw for the sampled rows (``first``: round one's gathered
         fields, ``best``: each row's max). Steps:
 
@@ -199,7 +199,7 @@ class DraftPairs:
     all-reduce of ``max_rows`` rows; and the correction after a rejection, drawn from
     ``(p - q)+`` by one all-gather of ``max_rows`` rows."""
 
-    def __init__(self, ranks: Ranks, layout: VocabLayout, max_rows: int, choice: Choice, rows: Rows,
+    def __init__(self, ranks: Ranks, layout: VocabLayout, max_rows: int, choice: MaskedRows, rows: Rows,
                  positions: torch.Tensor, drafts: torch.Tensor, drafted: list[int]) -> None:
         B, k = drafts.shape
         device = drafts.device

@@ -1,6 +1,6 @@
 """The exact threshold search on vocab shards: per row, the largest key ``v`` whose weight at or
 above it reaches a target, over all ranks, in at most two histogram all-reduces and one
-settling all-gather (plus one round when a final bucket holds many ties).
+settling all-gather (plus one round when a final bucket holds many distinct keys).
 
 Keys are unsigned order keys of float32 values in ``[0, 2**32)`` (-1: not a token); weights are
 1 (top-k) or exact integer masses (top-p), so every rank finds the same ``v``. The messages are
@@ -78,16 +78,6 @@ class Draw:
         r, _, ids, score = self._contenders(top_key, listed)
         return row_argmax(r, ids, score, top_key.shape[0])
 
-    def best_with_logit(self, top_key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`certain_best` from the shard, with the winner's logit (float64 ``[F]``, NaN
-        where the row has none)."""
-        r, col, ids, score = self._contenders(top_key, None)
-        best, token = row_argmax(r, ids, score, top_key.shape[0])
-        won = (ids == token[r]) & (token[r] >= 0)  # each row's winning entry (ids are distinct in a row)
-        r, col = r[won], col[won]
-        logit = torch.full_like(best, float("nan")).index_put_((r,), self.x[r, col].double())
-        return best, token, logit
-
     def _contenders(self, top_key: torch.Tensor, listed: tuple[torch.Tensor, ...] | None) -> tuple:
         """Row, column, id and score ``[N]`` of tokens among which :meth:`certain_best` lies."""
         F = top_key.shape[0]
@@ -129,9 +119,10 @@ def threshold_search(x: torch.Tensor, real: torch.Tensor, weight: torch.Tensor |
     all-reduces a histogram of ``2**SEARCH_BITS`` weights per row (plus the weight above the
     bucket) and keeps the digit holding ``v``, until a bucket spans at most ``2**SETTLE_BITS``
     keys: at most ``ceil(22 / SEARCH_BITS) = 2`` rounds. Then one all-gather settles it: each rank
-    sends the ``SETTLE_TOKENS`` largest keys of the bucket with their weights -- and, to draw, their
-    scores and its best score above the bucket. A row whose bucket holds more on some rank takes
-    one more round of ``2**SETTLE_BITS`` sums (and is not drawn). Only the bucket's tokens are
+    sends the ``SETTLE_TOKENS`` largest distinct keys of the bucket, each with the weight of its
+    tokens -- and, to draw, its tokens' best score and its best score above the bucket. A row whose
+    bucket holds more distinct keys on some rank (never a matter of ties) takes one more round of
+    ``2**SETTLE_BITS`` sums (and is not drawn). Only the bucket's tokens are
     carried from round to round, listed; a bucket holding more than ``1 / DENSE_SHARE`` of the
     shard (counted before listing) is read in place instead, and listed only once it is final.
     To draw, the first listing also holds the tokens above the bucket where that stays small (top-k
@@ -181,13 +172,13 @@ def threshold_search(x: torch.Tensor, real: torch.Tensor, weight: torch.Tensor |
     if key is None:
         key, wt = _listed(shard, r, col)
     v, token, overflow = _settle(key, wt, r, col, shift, prefix, above, need, ranks, draw, listed)
-    ties = bool(overflow.any())  # a host sync that saves a collective for every other row
-    if ties:
+    crowded = bool(overflow.any())  # a host sync that saves a collective for every other row
+    if crowded:
         mine = overflow[r]
         _, exact, *_ = _histogram_round((key[mine], wt[mine]), r[mine], torch.where(overflow, shift, 0),
                                         shift, prefix, above, total, need, ranks)
         v, token = torch.where(overflow, exact, v), torch.where(overflow, -1, token)
-    return v, token, Search(F, rounds, draw is not None, ties)
+    return v, token, Search(F, rounds, draw is not None, crowded)
 
 
 def _listed(shard: tuple, r: torch.Tensor, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,29 +189,35 @@ def _listed(shard: tuple, r: torch.Tensor, col: torch.Tensor) -> tuple[torch.Ten
 
 
 def _settle(key, wt, r, col, shift, prefix, above, need, ranks: Ranks, draw: Draw | None, listed):
-    """The settling all-gather: each rank's ``SETTLE_TOKENS`` largest keys of its final bucket
-    (``key``, ``wt``, ``r``, ``col``: the bucket's tokens, by row ``r``), merged into ``v`` per
-    row; with ``draw`` also the token, from ``listed`` (row, column, key) tokens that hold every
-    one above the bucket, or from the shard when None. Returns ``(v, token, overflow)``,
-    ``overflow`` the rows whose bucket held more on some rank (their ``v`` is not final)."""
+    """The settling all-gather: each rank's ``SETTLE_TOKENS`` largest distinct keys of its final
+    bucket (``key``, ``wt``, ``r``, ``col``: the bucket's tokens, by row ``r``), each with the
+    weight of the tokens holding it, merged into ``v`` per row; with ``draw`` also the token: each
+    key carries the best (score, id) of its tokens, and the best above the bucket comes from
+    ``listed`` (row, column, key) tokens that hold every one above it, or from the shard when
+    None. Tied tokens share one entry, so ties never overflow it. Returns ``(v, token,
+    overflow)``, ``overflow`` the rows whose bucket held more distinct keys on some rank (their
+    ``v`` is not final)."""
     F = prefix.shape[0]
-    count = torch.bincount(r, minlength=F)
-    order = torch.argsort(r * 2**33 + (2**32 - 1 - key))  # by row, then key descending
-    r, col, key, wt = r[order], col[order], key[order], wt[order]
-    slot = torch.arange(r.numel()) - (count.cumsum(0) - count)[r]
+    # one group per (row, key), rows in order, keys descending
+    groups, group = torch.unique(r * 2**33 + (2**32 - 1 - key), sorted=True, return_inverse=True)
+    G = groups.numel()
+    g_r, g_key = groups >> 33, 2**32 - 1 - (groups & (2**33 - 1))
+    g_wt = torch.zeros(G, dtype=torch.long).index_add_(0, group, wt)
+    count = torch.bincount(g_r, minlength=F)
+    slot = torch.arange(G) - (count.cumsum(0) - count)[g_r]
     sent = slot < SETTLE_TOKENS
-    at = (r[sent], slot[sent])
+    at = (g_r[sent], slot[sent])
 
     def table(values: torch.Tensor, pad: float) -> torch.Tensor:
         out = torch.full((F, SETTLE_TOKENS), pad, dtype=values.dtype)
         out[at] = values[sent]
         return out
 
-    parts = {"count": count, "keys": table(key, -1), "weights": table(wt, 0)}
+    parts = {"count": count, "keys": table(g_key, -1), "weights": table(g_wt, 0)}
     if draw is not None:
         best, best_id = draw.certain_best((prefix + 1) << shift, listed)
-        parts |= {"ids": table(draw.ids[col], -1), "scores": table(draw.score(r, col), NEG_INF),
-                  "best": best, "best_id": best_id}
+        g_score, g_id = row_argmax(group, draw.ids[col], draw.score(r, col), G)
+        parts |= {"ids": table(g_id, -1), "scores": table(g_score, NEG_INF), "best": best, "best_id": best_id}
     record = settle(draw is not None)
     got = record.unpack(ranks.gather(record.pack(**parts)))  # each [n, F, ...]
     merged = lambda t: t.permute(1, 0, 2).reshape(F, -1)  # noqa: E731  [F, n·SETTLE_TOKENS]

@@ -8,7 +8,7 @@ parameters (the sampler's semantics), and ``q_i``, the draft's distribution afte
 parameters (or one-hot at ``x_i`` when no draft logits are given):
 
 * deterministic drafts (no draft logits), greedy rows and positions whose target max is +inf:
-  ``x_i`` is accepted iff it equals the token :func:`~vocabpar.sampling.sharded.sample` draws at
+  ``x_i`` is accepted iff it equals the token :func:`~vocabpar.sampling.adaptive.sample` draws at
   ``positions + i``; the first token drawn that differs is the correction. For one-hot ``q`` this
   is standard speculative sampling (accepted with probability ``p(x_i)``; the correction follows
   ``p`` without ``x_i``), and every emitted token is the one plain decoding would have sampled.
@@ -37,6 +37,7 @@ import torch
 from vocabpar import comm
 from vocabpar.kernels.fused import residual
 from vocabpar.layout import VocabLayout
+from vocabpar.sampling.adaptive import Drawn, choose
 from vocabpar.sampling.params import Rows, SamplingParams, check_positions, check_verify_inputs, on_device
 from vocabpar.sampling.ranks import Ranks, agreed, group_ranks, params_fact
 from vocabpar.sampling.semantics import (
@@ -46,7 +47,6 @@ from vocabpar.sampling.semantics import (
     accepts,
     merge_argmax,
 )
-from vocabpar.sampling.sharded import Choice, choose
 from vocabpar.wire.records import DRAW, MASSES
 from vocabpar.wire.scripts import VerifyPath, verify_script
 
@@ -135,7 +135,7 @@ class _Masses:
     """The draft-logit positions' exact masses: per weighed (row, position) the target's and the
     draft's totals and masses of the draft token, summed over ranks in one all-reduce."""
 
-    def __init__(self, choice: Choice, layout: VocabLayout, ranks: Ranks, drafts: torch.Tensor,
+    def __init__(self, choice: Drawn, layout: VocabLayout, ranks: Ranks, drafts: torch.Tensor,
                  pos: torch.Tensor, weighed: torch.Tensor, k: int, slot: torch.Tensor) -> None:
         B = drafts.shape[0]
         self.choice, self.ranks, self.pos, self.k, self.slot = choice, ranks, pos, k, slot

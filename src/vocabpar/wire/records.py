@@ -181,14 +181,6 @@ DRAW = Record("draw", (_real("score"), Field("id")))
 """A rank's best (score, id) among the row's kept tokens: the draw's all-gather, and the
 speculative correction's."""
 
-NOMINEE = Record("nominee", (_real("score"), Field("id"), _real("value")))
-"""A rank's best (score, id) among a top-p row's whole pool, with that token's logit: the
-winner every rank then checks against the nucleus."""
-
-MEMBERSHIP = Record("membership", (Field("total"), Field("above")))
-"""Per nominated top-p row, summed over ranks: the pool's mass and the pool's mass strictly
-above the nominee's logit (integer units)."""
-
 
 # ---------------------------------------------------------------------- verification
 MASSES = Record("masses", (Field("target_total"), Field("target_token"), Field("draft_total"),

@@ -24,8 +24,6 @@ from vocabpar.wire.records import (
     HISTOGRAM,
     LARGER,
     MASSES,
-    MEMBERSHIP,
-    NOMINEE,
     TOTAL,
     Record,
     agreement,
@@ -43,10 +41,6 @@ TOP_P_CANDIDATES = 512
 """Round-one candidates over all ranks when a row has top-p: certifies peaked (LLM-like) rows,
 which keep ~100-350 tokens."""
 MIN_P_CANDIDATES = 16
-NOMINATE_FROM = 0.5
-"""A top-p row the candidates do not settle, with top-p at least this, draws from its whole pool
-first and searches for its threshold only if the token lies outside the nucleus (a chance of at
-most ``1 - top_p``)."""
 SCORE_ROWS = 256
 """Hidden rows whose logits one scoring call computes (prompt logprobs, ``score``): no rank
 holds more than one ``[SCORE_ROWS, V/n]`` block of logits."""
@@ -98,25 +92,25 @@ def candidate_count(ranks: int, widest: int, *, top_k: int, top_p: bool, min_p: 
 class Search:
     """One threshold search over ``rows`` rows: ``rounds`` histogram all-reduces, one settling
     all-gather (which also draws the rows' tokens when ``draw``), and, when some row's final
-    bucket held more than the settle carries (``ties``), one more histogram round."""
+    bucket held more distinct keys than the settle carries (``crowded``), one more histogram
+    round."""
 
     rows: int
     rounds: int = 2
     draw: bool = False
-    ties: bool = False
+    crowded: bool = False
 
     def script(self) -> Script:
         histogram = Message("all_reduce", HISTOGRAM, self.rows)
         return (histogram,) * self.rounds + (Message("all_gather", settle(self.draw), self.rows),) \
-            + (histogram,) * self.ties
+            + (histogram,) * self.crowded
 
 
 @dataclass(frozen=True)
 class SamplePath:
     """The branches one sampler call took: ``rows`` in the batch, ``candidates`` per rank in
     round one (0: greedy), the top-k threshold ``search`` (``None``: candidates sufficed), the
-    rows whose top-p ``total_rows`` was all-reduced, the rows drawn from their whole top-p pool and
-    checked against the nucleus (``nominee_rows``), the top-p threshold search, the rows drawn
+    rows whose top-p ``total_rows`` was all-reduced, the top-p threshold search, the rows drawn
     by the all-gather of each rank's best (``draw_rows``), the logprob count (``top_n``;
     ``None``: no logprobs) and whether the agreement check ran first."""
 
@@ -124,7 +118,6 @@ class SamplePath:
     candidates: int = 0
     top_k: Search | None = None
     total_rows: int = 0
-    nominee_rows: int = 0
     top_p: Search | None = None
     draw_rows: int = 0
     top_n: int | None = None
@@ -138,9 +131,6 @@ def sample_script(path: SamplePath) -> Script:
         script += path.top_k.script()
     if path.total_rows:
         script += (Message("all_reduce", TOTAL, path.total_rows),)
-    if path.nominee_rows:
-        script += (Message("all_gather", NOMINEE, path.nominee_rows),
-                   Message("all_reduce", MEMBERSHIP, path.nominee_rows))
     if path.top_p is not None:
         script += path.top_p.script()
     if path.draw_rows:
@@ -151,19 +141,16 @@ def sample_script(path: SamplePath) -> Script:
 
 
 def sampler_paths(rows: int, ranks: int, widest: int, vocab: int, *, temperature: float, top_k: int = 0,
-                  top_p: float = 1.0, min_p: float = 0.0,
-                  nominate: bool = True) -> tuple[SamplePath, SamplePath]:
+                  top_p: float = 1.0, min_p: float = 0.0) -> tuple[SamplePath, SamplePath]:
     """The typical and the worst path of a sampler call on ``rows`` rows sharing one set of
-    parameters (``widest``: the most real tokens one rank holds; temperature 0 is greedy;
-    ``nominate``: whether top-p rows may draw from their pool first, as ``sample`` does unless it
-    returns processed logprobs).
+    parameters (``widest``: the most real tokens one rank holds; temperature 0 is greedy).
 
     Typical means LLM-like peaked rows without ties: a top-k with k <= c and top-p are settled
     by the candidates, top-p without such a top-k needs its total all-reduced, a top-k with
     k > c a threshold search of two rounds, and the token is drawn locally unless no filter
     narrows the row. The worst case (flat or tied rows) adds, wherever the code may take them,
-    the total, the pool's nominee and its membership check, a top-p search, a tie round after
-    each search and the draw's all-gather, each for every row."""
+    the total, a top-p search, a crowded settle's extra round after each search and the draw's
+    all-gather, each for every row."""
     if temperature == 0:
         greedy = SamplePath(rows)
         return greedy, greedy
@@ -176,10 +163,9 @@ def sampler_paths(rows: int, ranks: int, widest: int, vocab: int, *, temperature
     typical = SamplePath(rows, c, top_k=Search(rows, draw=not with_top_p) if searched else None,
                          total_rows=rows * (with_top_p and unsent and not 0 < k <= c),
                          draw_rows=rows * (unsent and not narrowed))
-    worst = SamplePath(rows, c, top_k=Search(rows, draw=not with_top_p, ties=True) if searched else None,
+    worst = SamplePath(rows, c, top_k=Search(rows, draw=not with_top_p, crowded=True) if searched else None,
                        total_rows=rows * (with_top_p and unsent),
-                       nominee_rows=rows * (with_top_p and unsent and nominate and top_p >= NOMINATE_FROM),
-                       top_p=Search(rows, draw=True, ties=True) if with_top_p and unsent else None,
+                       top_p=Search(rows, draw=True, crowded=True) if with_top_p and unsent else None,
                        draw_rows=rows * unsent)
     return typical, worst
 
@@ -222,7 +208,7 @@ def verify_paths(batch: int, drafts: int, draft_logits: bool, ranks: int, widest
     weigh = draft_logits and temperature != 0 and drafts > 0
     rows = batch * (drafts + 1 + drafts * weigh)
     typical, worst = sampler_paths(rows, ranks, widest, vocab, temperature=temperature, top_k=top_k,
-                                   top_p=top_p, min_p=min_p, nominate=False)
+                                   top_p=top_p, min_p=min_p)
     weighed = batch * drafts * weigh
     return VerifyPath(typical, weighed), VerifyPath(worst, weighed, batch * weigh)
 

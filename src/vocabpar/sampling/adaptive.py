@@ -17,25 +17,24 @@ decision is a function of replicated parameters and of gathered data); what a ca
    ``unsent_max / t < min_z``; then they give the total, else one all-reduce does -- unless the
    candidates above ``unsent_max`` are unlikely to reach the target anyway
    (:func:`~vocabpar.sampling.candidates.unsent_mass`), in which case the search measures the
-   total in its first round. The candidates give the threshold if their cumulative mass
-   reaches the target above ``unsent_max``. Otherwise, membership first (top-p at least
-   ``NOMINATE_FROM``, kept sets not needed): the row's whole pool is drawn (one all-gather of
-   each rank's best) and the pool's mass above the winner all-reduced with its total; a winner
-   in the nucleus is the token (:meth:`SampledRows.nominated`). The rows left take a threshold
-   search on masses, above their winner.
-4. Gumbel-max over the kept tokens: rows a threshold search or their nominee drew keep that
+   total in its first round -- for every row the candidates do not hold, once one row searches.
+   The candidates give the threshold if their cumulative mass reaches the target above
+   ``unsent_max``; the rows left take a threshold search on masses, which draws them too.
+4. Gumbel-max over the kept tokens: rows a threshold search drew keep that
    token; rows whose kept tokens are all candidates are drawn locally; the rest take one
    all-gather of each rank's best (score, id).
 5. logprobs (raw or processed): :func:`vocabpar.sampling.scoring.token_logprobs` of the chosen
    tokens, one all-gather of per-shard (max, sum-exp, chosen logit, top-n) and one all-reduce of
    rank counts; each logprob is ``(x - M) - log(S)``, precise for huge logits.
 
-Collectives per call: greedy 1; candidates enough 1–2; one search 4 (5 with ties); top-p rows
-drawn from their pool 3, 6 when some row's winner lies outside its nucleus; worst case (top-k
-search, then top-p nominees and search, both with ties) ``1 + (2 + 1 + 1) + 1 + 2 + (2 + 1 + 1) + 1
-= 13``, plus 2 for logprobs and 1 for the agreement check (unless turned off). Bytes depend on B, n and the
-candidate count, never on V. All masses are exact integers, so the tokens equal
-:func:`reference_sample`'s bit for bit; see :mod:`vocabpar.sampling.semantics` and
+Collectives per call: greedy 1; candidates enough 1–2; top-p or a large top-k 4 (round one,
+two histogram rounds, the settle that also draws), whatever the rows hold -- tied tokens share
+one settle entry; a top-p row the candidates were expected to settle and did not, or a settle
+crowded with more than ``SETTLE_TOKENS`` distinct keys in a bucket of ``2**SETTLE_BITS``, adds
+one; worst case (top-k search, the total, then a top-p search, both crowded) ``1 + (2 + 1 + 1) +
+1 + (2 + 1 + 1) + 1 = 11``, plus 2 for logprobs and 1 for the agreement check (unless turned
+off). Bytes depend on B, n and the candidate count, never on V. All masses are exact integers,
+so the tokens equal :func:`reference_sample`'s bit for bit; see :mod:`vocabpar.sampling.semantics` and
 :mod:`vocabpar.sampling.noise` for the float steps.
 """
 
@@ -48,7 +47,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from vocabpar import comm
-from vocabpar.kernels.fused import mass_totals, masses, sample_keys, scored, split_totals
+from vocabpar.kernels.fused import mass_totals, masses, sample_keys, scored
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling.candidates import RoundOne, candidates_per_rank, gather_round_one, unsent_mass
 from vocabpar.sampling.params import Rows, SamplingParams, TokenCounts, check_sample_inputs, on_device
@@ -72,13 +71,8 @@ from vocabpar.sampling.semantics import (
     top_p_target,
     with_logprobs,
 )
-from vocabpar.wire.records import DRAW, MEMBERSHIP, NOMINEE, TOTAL
-from vocabpar.wire.scripts import (
-    NOMINATE_FROM,
-    SamplePath,
-    Search,
-    sample_script,
-)
+from vocabpar.wire.records import DRAW, TOTAL
+from vocabpar.wire.scripts import SamplePath, Search, sample_script
 
 MASS_BLOCK = 2**22
 """Logits per block when mass totals read a shard for many rows: bounds the eager pass's float64
@@ -141,9 +135,8 @@ def _sample_on_device(local_logits, layout, params, positions, group, token_coun
                       check) -> SampleOutput:
     inputs = _checked_inputs(local_logits, layout, params, positions, group, token_counts, bitmask, check)
     rows = inputs.rows
-    processed = rows.logprobs is not None and rows.logprobs_of == "processed"  # needs the kept sets
     choice = choose(local_logits, layout, inputs.ranks, rows, inputs.positions, inputs.token_counts,
-                    inputs.bitmask, thresholds=processed)
+                    inputs.bitmask)
     tokens, step = choice.tokens, choice.step
     path = replace(choice.path, checked=inputs.checked, top_n=None if rows.logprobs is None else rows.top_n)
     if rows.logprobs is None:
@@ -160,12 +153,11 @@ def _sample_on_device(local_logits, layout, params, positions, group, token_coun
 
 
 @dataclass(frozen=True)
-class Choice:
+class Drawn:
     """The sampler's work on a batch of rows: the ``tokens`` (-1 for sampled rows not drawn),
     this shard's processed logits ``x``, which rows were ``sampled`` (not greedy, finite max),
     when any was, the rows' state ``step`` and their final thresholds ``thr`` (a row keeps
-    ``step.kept(thr)``; NaN for a row drawn without its top-p threshold), and the ``path`` the
-    collectives took."""
+    ``step.kept(thr)``), and the ``path`` the collectives took."""
 
     tokens: torch.Tensor
     x: torch.Tensor
@@ -177,13 +169,10 @@ class Choice:
 
 def choose(raw: torch.Tensor, layout: VocabLayout, ranks: Ranks, rows: Rows, positions: torch.Tensor,
            token_counts: TokenCounts | None = None, bitmask: torch.Tensor | None = None,
-           draws: torch.Tensor | None = None, row_name: Callable[[int], str] | None = None,
-           thresholds: bool = True) -> Choice:
+           draws: torch.Tensor | None = None, row_name: Callable[[int], str] | None = None) -> Drawn:
     """The sampler's steps on validated inputs (round one, thresholds, draw), shared by
     :func:`sample` and the speculative verifier: only rows in ``draws`` (all when ``None``) are
-    drawn. Without ``thresholds`` (the kept sets are not needed), a top-p row whose pool winner
-    lies in its nucleus is drawn without its top-p threshold (NaN in ``thr``). NaN rows and rows
-    with nothing allowed raise on every rank, named by ``row_name``.
+    drawn. NaN rows and rows with nothing allowed raise on every rank, named by ``row_name``.
     ``raw``: float32 ``[B, columns]``; ``positions``, ``draws``: ``[B]``."""
     V = layout.vocab_size
     penalty = None if token_counts is None else (*layout.local_ids(token_counts.ids, ranks.me), token_counts)
@@ -198,14 +187,13 @@ def choose(raw: torch.Tensor, layout: VocabLayout, ranks: Ranks, rows: Rows, pos
     path = SamplePath(raw.shape[0], c)
     step = thr = None
     if sampled.any():
-        step = SampledRows(x, ids, rows, positions, sampled, ranks, V, c, first, best,
-                           nominate=not thresholds)
+        step = SampledRows(x, ids, rows, positions, sampled, ranks, V, c, first, best)
         kappa = step.top_k_threshold()
         thr = torch.maximum(kappa, step.top_p_threshold(kappa))
         tokens = step.draw(tokens, thr, sampled if draws is None else sampled & draws)
         path = replace(path, top_k=step.top_k_search, total_rows=step.total_rows,
-                       nominee_rows=step.nominee_rows, top_p=step.top_p_search, draw_rows=step.draw_rows)
-    return Choice(tokens, x, sampled, step, thr, path)
+                       top_p=step.top_p_search, draw_rows=step.draw_rows)
+    return Drawn(tokens, x, sampled, step, thr, path)
 
 
 # ---------------------------------------------------------------------- sampling rows
@@ -213,10 +201,8 @@ def choose(raw: torch.Tensor, layout: VocabLayout, ranks: Ranks, rows: Rows, pos
 class SampledRows:
     """Per-call state of the sampled rows' steps: this shard's processed logits ``x`` ``[B,
     columns]``, the rows' parameters, and the merged round-one candidates (everything a rank
-    holds above ``unsent_max`` is among them); ``nominate``: top-p rows may be drawn from their
-    whole pool before their threshold is known (:meth:`nominated`). Records the collectives its
-    steps sent (``top_k_search``, ``total_rows``, ``nominee_rows``, ``top_p_search``,
-    ``draw_rows``)."""
+    holds above ``unsent_max`` is among them). Records the collectives its steps sent
+    (``top_k_search``, ``total_rows``, ``top_p_search``, ``draw_rows``)."""
 
     x: torch.Tensor
     ids: torch.Tensor
@@ -228,7 +214,6 @@ class SampledRows:
     c: int
     first: RoundOne
     best: torch.Tensor
-    nominate: bool = False
 
     def __post_init__(self) -> None:
         B, n, c = self.x.shape[0], self.first.cand.shape[0], self.c
@@ -249,7 +234,7 @@ class SampledRows:
         self.drawn = torch.full((B,), -1, dtype=torch.long)  # tokens a threshold search drew
         self.top_k_search: Search | None = None
         self.top_p_search: Search | None = None
-        self.total_rows = self.nominee_rows = self.draw_rows = 0
+        self.total_rows = self.draw_rows = 0
 
     def rows_of(self, sel: torch.Tensor) -> torch.Tensor:
         """This shard's logits of rows ``sel`` (sorted, distinct): ``x`` itself, not a copy, when
@@ -308,12 +293,16 @@ class SampledRows:
         if order == "vllm":  # no unsent token passes min-p
             complete |= unsent_max / t < min_z
         # rows whose candidates above unsent_max would fall short of the target even against
-        # half the guessed unsent mass skip the all-reduce of the total; either way is exact,
-        # this only picks the cheaper (a wrong guess costs one collective either way)
+        # half the guessed unsent mass measure their total in the search's first round instead of
+        # an all-reduce of its own; once one row searches, every row the candidates do not hold
+        # does (a search after the all-reduce would cost a collective more). Either way is exact:
+        # the guess only picks the cheaper
         above_unsent = torch.where(cand > unsent_max[:, None], cand_mass, 0).sum(1)
         unsent = unsent_mass(self.first, t, z_max, self.ranks, V)
-        fold = topp & ~complete & (above_unsent < self.rows.top_p * (total + unsent / 2))
-        missing = (topp & ~complete & ~fold).nonzero().flatten()
+        incomplete = topp & ~complete
+        short = incomplete & (above_unsent < self.rows.top_p * (total + unsent / 2))
+        fold = incomplete if bool(short.any()) else short
+        missing = (incomplete & ~fold).nonzero().flatten()
         if missing.numel():
             local = mass_totals(*self._mass_inputs(missing, kappa, self.pool_min_z))
             total[missing] = TOTAL.unpack(self.ranks.sum(TOTAL.pack(mass=local))).mass
@@ -328,26 +317,12 @@ class SampledRows:
         certified = topp & found & ((tau_c > unsent_max) | self.nothing_unsent)
         tau[certified] = tau_c[certified]
         search = (topp & ~certified).nonzero().flatten()
-        nominee_key = None  # per row, a key the threshold lies above (0: none known)
-        nominated = search[self.rows.top_p[search] >= NOMINATE_FROM] if self.nominate and search.numel() \
-            else None
-        if nominated is not None and nominated.numel():
-            inside, measured, key = self.nominated(nominated, kappa)
-            drawn = torch.zeros(B, dtype=torch.bool)
-            drawn[nominated[inside]] = True
-            search = search[~drawn[search]]
-            tau[drawn] = float("nan")  # drawn without it
-            fold[nominated], target[nominated] = False, top_p_target(measured, self.rows.top_p[nominated])
-            nominee_key = torch.zeros(B, dtype=torch.long).index_put_((nominated,), key + 1)
-            self.nominee_rows = nominated.numel()
         if search.numel():
             q = masses(*self._mass_inputs(search, kappa, self.pool_min_z))
             # at least tau_c when the candidates reach the target, else at least the value below
-            # which masses are 0, and above a nominee outside the nucleus; at most unsent_max (the
-            # candidates above it fall short)
+            # which masses are 0; at most unsent_max (the candidates above it fall short)
             floor_x = t * (z_max - mass_shift(V) * math.log(2) - 1)
             lo = value_key(torch.where(found, tau_c.double(), floor_x)[search])
-            lo = lo if nominee_key is None else torch.maximum(lo, nominee_key[search])
             folded, known, p = fold[search], target[search], self.rows.top_p[search]
             need = lambda measured: torch.where(folded, top_p_target(measured, p), known)  # noqa: E731
             v, self.drawn[search], self.top_p_search = threshold_search(
@@ -355,29 +330,6 @@ class SampledRows:
                 self.draw_for(search), mass_bits(V))
             tau[search] = key_value(v - 2**31)
         return tau
-
-    def nominated(self, sel: torch.Tensor,
-                  kappa: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Membership first, for top-p rows ``sel`` (sorted, distinct): draw each from its whole
-        pool (``x >= kappa``, ``z >= min_z``; one all-gather of
-        :data:`~vocabpar.wire.records.NOMINEE`), then weigh the pool and its part strictly above
-        the winner (one all-reduce of :data:`~vocabpar.wire.records.MEMBERSHIP`). The winner lies
-        in the nucleus when that part falls short of the top-p target; the Gumbel-max of a set
-        whose winner lies in a subset is the subset's, so it is the token the threshold would
-        draw: those rows are drawn. Returns, per row of ``sel``, whether it was, its pool's total
-        and the winner's order key (the threshold of a row not drawn lies above it)."""
-        draw = self.draw_for(sel)
-        score, token, logit = draw.best_with_logit(value_key(kappa[sel].double()))
-        got = NOMINEE.unpack(self.ranks.gather(NOMINEE.pack(score=score, id=token, value=logit)))
-        _, token = merge_argmax(got.score, got.id)
-        logit = torch.where(got.id == token, got.value, NEG_INF).amax(0).float()  # the owner's
-        above = torch.nextafter(logit, torch.full_like(logit, float("inf"))).double()
-        x, lower, t, min_z, z_max, scale = self._mass_inputs(sel, kappa, self.pool_min_z)
-        total, mass_above = split_totals(x, lower, above, t, min_z, z_max, scale)
-        got = MEMBERSHIP.unpack(self.ranks.sum(MEMBERSHIP.pack(total=total, above=mass_above)))
-        inside = got.above < top_p_target(got.total, self.rows.top_p[sel])
-        self.drawn[sel[inside]] = token[inside]
-        return inside, got.total, value_key(logit)
 
     @property
     def pool_min_z(self) -> torch.Tensor:
