@@ -12,7 +12,12 @@ from vocabpar.integrations.hf import parallelize, reference_generate  # noqa: E4
 
 PROMPTS = [[5, 17, 300, 42, 9], [7, 8], [1000, 2, 31999]]  # different lengths: left padding
 TOKENS = 3
-SAMPLED = SamplingParams(temperature=0.9, top_k=200, top_p=0.95, presence_penalty=0.5, seed=[11, 12, 13])
+SAMPLED = SamplingParams(temperature=0.9, top_k=200, top_p=0.95, presence_penalty=0.5, seed=[11, 12, 13],
+                         logit_bias=[{5: 3.0, 6: -2.0}, None, {9: 2.5}],
+                         allowed_token_ids=[None, list(range(0, 32000, 7)), None], min_tokens=[2, 0, 3],
+                         stop_token_ids=[list(range(1, 32000, 2)), None, list(range(0, 32000, 3))])
+"""Sampled with request constraints: a bias, allowed ids, half and a third of the vocabulary held
+back as stop ids for the first tokens."""
 # (scheme, strategy for greedy, strategy for sampled, exchange); each (ranks, model) takes one, so
 # every pair runs at some rank count > 1
 PAIRS = [("padded", "all_gather", "none", "auto"), ("padded", "gather", "dp_gather_scatter", "all_reduce"),

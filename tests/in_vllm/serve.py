@@ -47,8 +47,17 @@ def scenarios():
         "logprobs": (PROMPTS, [SamplingParams(temperature=0, max_tokens=6, logprobs=5)] * 4),
         "sampled": (PROMPTS, sampled),
         "json": (PROMPTS[:2], [json_output] * 2),
+        # greedy, so that vLLM's own sampler gives the same tokens: a bias, allowed ids, a third
+        # of the vocabulary held back as stop ids for 6 tokens (then the first one stops the row)
+        "constraints": (PROMPTS, [
+            SamplingParams(temperature=0, max_tokens=8, logit_bias={17: 6.0, 40: -3.0, 333: 2.5}),
+            SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=list(range(50, 120))),
+            SamplingParams(temperature=0, max_tokens=8, min_tokens=6, stop_token_ids=list(range(0, 1000, 3))),
+            SamplingParams(temperature=0, max_tokens=8, logit_bias={3: 4.0},
+                           allowed_token_ids=list(range(300)), min_tokens=4,
+                           stop_token_ids=list(range(1, 1000, 4)), repetition_penalty=1.3)]),
         "fallback": (PROMPTS[:2], [SamplingParams(temperature=0, max_tokens=6,
-                                                  logit_bias={5: 8.0, 7: 4.0})] * 2),
+                                                  bad_words=["red", "model"])] * 2),
     }
 
 

@@ -26,8 +26,8 @@ from tiny_model import build  # noqa: E402
 
 from vocabpar import reference_sample  # noqa: E402
 
-SCENARIOS = ("greedy", "greedy_penalties", "logprobs", "sampled", "json", "fallback")
-FALLING_BACK = {"fallback": "logit_bias"}
+SCENARIOS = ("greedy", "greedy_penalties", "logprobs", "sampled", "json", "constraints", "fallback")
+FALLING_BACK = {"fallback": "bad_words"}
 
 
 def serve(model: pathlib.Path, tp: int, out: pathlib.Path) -> dict:
@@ -75,9 +75,12 @@ def test_the_plugin_says_once_that_it_is_on_and_for_what(served):
 
 def test_greedy_tokens_equal_vllms_own(served):
     """Greedy, with and without penalties (repetition over prompt and output, presence and
-    frequency over the output, as vLLM applies them): the same tokens as vLLM's gather + sampler."""
+    frequency over the output, as vLLM applies them) and with request constraints (logit_bias,
+    allowed_token_ids, min_tokens): the same tokens as vLLM's gather + sampler."""
     tp2 = served[2]
-    for name in ("greedy", "greedy_penalties", "logprobs"):
+    constrained = tp2["shards"]["constraints"]["tokens"]
+    assert min(len(t) for t in constrained) >= 4 and all(t[0] in range(50, 120) for t in constrained[1:2])
+    for name in ("greedy", "greedy_penalties", "logprobs", "constraints"):
         assert tp2["shards"][name]["tokens"] == tp2["gather"][name]["tokens"], name
 
 
@@ -123,14 +126,16 @@ def test_every_sharded_step_equals_reference_sample_on_the_gathered_logits(serve
         kinds = set()
         for step in records:
             expected = reference_sample(step["logits"], step["params"], positions=step["positions"],
-                                        token_counts=step["token_counts"], bitmask=step["bitmask"])
+                                        token_counts=step["token_counts"], bitmask=step["bitmask"],
+                                        output_lens=step["output_lens"])
             assert torch.equal(expected.tokens, step["tokens"]), (tp, step["params"])
             if step["params"].logprobs is not None:
                 assert torch.equal(expected.top_ids, step["top_ids"])
                 assert torch.equal(expected.ranks, step["ranks"])
             kinds |= {"bitmask"} if step["bitmask"] is not None else set()
             kinds |= {"penalties"} if step["token_counts"] is not None else set()
-        assert kinds == {"bitmask", "penalties"}, kinds
+            kinds |= {"constraints"} if any(step["params"].logit_bias or []) else set()
+        assert kinds == {"bitmask", "penalties", "constraints"}, kinds
 
 
 def test_structured_output_is_valid_json_of_the_schema(served):
@@ -142,7 +147,7 @@ def test_structured_output_is_valid_json_of_the_schema(served):
 
 
 def test_a_request_it_cannot_serve_falls_back_to_vllms_exact_result(served):
-    """logit_bias (not a filter of vocabpar's yet): vLLM's own tokens, the steps counted by cause,
+    """bad_words (not a filter of vocabpar's yet): vLLM's own tokens, the steps counted by cause,
     one log line for it."""
     tp2 = served[2]
     lines = tp2["log"].splitlines()
@@ -151,7 +156,7 @@ def test_a_request_it_cannot_serve_falls_back_to_vllms_exact_result(served):
         for counted in tp2["shards"][name]["counters"]:
             assert counted["sharded_steps"] == 0 and set(counted["fallback_steps"]) == {cause}, counted
             assert counted["fallback_steps"][cause] >= len(tp2["shards"][name]["tokens"][0]), counted
-    assert sum("steps with logit_bias gather the logits" in line for line in lines) == 1
+    assert sum("steps with bad_words gather the logits" in line for line in lines) == 1
 
 
 def test_bytes_each_rank_receives_per_decode_step(served):

@@ -30,7 +30,6 @@ from vocabpar.head import ParallelLMHead, select_rows
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling import Sampler, SamplingParams, TokenCounts, VerifyOutput, reference_sample, sample
 from vocabpar.sampling import verify as verify_drafts
-from vocabpar.sampling.params import ROW_FIELDS
 from vocabpar.sampling.scoring import TokenLogprobs
 from vocabpar.wire.strategies import STRATEGIES
 
@@ -126,7 +125,7 @@ def checked_request(params: SamplingParams | None, max_new_tokens: int) -> Sampl
 
 def uses_penalties(params: SamplingParams, batch: int, vocab: int) -> bool:
     """Whether any row applies a repetition, presence or frequency penalty."""
-    r = params.resolve(batch, vocab)
+    r = params.unconstrained().resolve(batch, vocab)
     return bool((r.repetition_penalty != 1).any() or (r.presence_penalty != 0).any()
                 or (r.frequency_penalty != 0).any())
 
@@ -283,15 +282,17 @@ class Step:
         return replace(self, strategy=switch.strategy(w, "verify" if spec_tokens else "decode"))
 
     def next_tokens(self, hidden: torch.Tensor, params: SamplingParams, positions: torch.Tensor,
-                    counts: TokenCounts | None) -> torch.Tensor:
+                    counts: TokenCounts | None, output_lens: torch.Tensor | None = None) -> torch.Tensor:
         """One id per row of ``hidden`` ``[B, H]``: sampled on shards, or each rank samples the
-        rows whose full logits the strategy leaves it (``owns``), then the ids are shared."""
+        rows whose full logits the strategy leaves it (``owns``), then the ids are shared.
+        ``output_lens``: the tokens each row has produced (``min_tokens``)."""
         if self.strategy == AUTO:
-            return self.resolved(hidden.shape[0], params).next_tokens(hidden, params, positions, counts)
+            return self.resolved(hidden.shape[0], params).next_tokens(hidden, params, positions, counts,
+                                                                      output_lens)
         s = STRATEGIES[self.strategy]
         B, n, me = hidden.shape[0], comm.world_size(self.group), comm.rank(self.group)
         if s.on_shards:
-            return self.draw(self.logits(hidden), params, positions, counts)
+            return self.draw(self.logits(hidden), params, positions, counts, output_lens)
         owned = [s.owns(B, n, r) for r in range(n)]  # each rank samples the rows it ends with
         mine = slice(owned[me].start, owned[me].stop)
         if s.inputs == "own":  # DP attention: each rank stands for one group holding its rows
@@ -303,7 +304,7 @@ class Step:
             rows = hidden
         full = compute_logits(self.head, rows, strategy=s.name, group=self.group, scatter=self.scatter)
         tokens = None if full is None else sample_rows(full[: len(owned[me])], params, positions, counts,
-                                                       mine)
+                                                       mine, output_lens)
         if s.ids is None:
             return tokens
         with comm.booked_as("sampled_ids"):
@@ -318,18 +319,20 @@ class Step:
         return result.logits if STRATEGIES[self.strategy].on_shards else result
 
     def draw(self, logits: torch.Tensor, params: SamplingParams, positions: torch.Tensor,
-             counts: TokenCounts | None = None) -> torch.Tensor:
+             counts: TokenCounts | None = None, output_lens: torch.Tensor | None = None) -> torch.Tensor:
         """One id per row of :meth:`logits`: the sharded sampler (the engine ``Sampler`` when this
         step has one), or the single-device one."""
         if STRATEGIES[self.strategy].on_shards and self.engine is not None:
             sampler = self.engine.get(logits.shape[0])
-            out = sampler.sample(logits, sampler.prepare(params, positions=positions, token_counts=counts))
+            out = sampler.sample(logits, sampler.prepare(params, positions=positions, token_counts=counts,
+                                                         output_lens=output_lens))
             out.raise_if_failed()
             return out.tokens
         if STRATEGIES[self.strategy].on_shards:
             return sample(logits, self.layout, params, positions=positions, group=self.group,
-                          token_counts=counts).tokens
-        return reference_sample(logits, params, positions=positions, token_counts=counts).tokens
+                          token_counts=counts, output_lens=output_lens).tokens
+        return reference_sample(logits, params, positions=positions, token_counts=counts,
+                                output_lens=output_lens).tokens
 
     def verify(self, logits: torch.Tensor, params: SamplingParams, drafts: torch.Tensor,
                positions: torch.Tensor, draft_logits: torch.Tensor | None) -> VerifyOutput:
@@ -339,7 +342,7 @@ class Step:
         layout, group = self.layout, self.group
         if STRATEGIES[self.strategy].on_shards and self.engine is not None:
             B, k = drafts.shape
-            greedy = params.resolve(B, layout.vocab_size).greedy.tolist()  # host-side parameters
+            greedy = params.unconstrained().resolve(B, layout.vocab_size).greedy.tolist()  # host-side
             sampled = 0 if draft_logits is None else sum(not g for g in greedy)
             sampler = self.engine.get(B * (k + 1) + sampled * k)  # the stacked rows
             out = sampler.verify(logits, sampler.prepare(params, positions=positions), drafts, draft_logits)
@@ -352,15 +355,14 @@ class Step:
 
 
 def sample_rows(full: torch.Tensor, params: SamplingParams, positions: torch.Tensor,
-                counts: TokenCounts | None, rows: slice) -> torch.Tensor:
-    """Reference-sample the logits ``full`` of batch rows ``rows`` (per-row values sliced)."""
+                counts: TokenCounts | None, rows: slice,
+                output_lens: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference-sample the logits ``full`` of batch rows ``rows`` (per-row values sliced, a
+    row's seed the one it has in the batch)."""
     if full.shape[0] == 0:
         return torch.empty(0, dtype=torch.long, device=full.device)
-    params = params.with_row_seeds(positions.shape[0])  # a row's seed is the one it has in the batch
-    # each field converted at the dtype it resolves to (a list of floats read as float32 would
-    # round temperatures differently from the sharded sampler)
-    given = {name: torch.as_tensor(getattr(params, name), dtype=dtype) for name, dtype in ROW_FIELDS.items()}
-    sliced = {name: values[rows] for name, values in given.items() if values.dim() == 1}
-    part = None if counts is None else counts.select(rows)
-    return reference_sample(full, replace(params, **sliced), positions=positions[rows],
-                            token_counts=part).tokens
+    index = torch.arange(rows.start, rows.stop)
+    part = params.take(positions.shape[0], full.shape[1], index)
+    return reference_sample(full, part, positions=positions[rows],
+                            token_counts=None if counts is None else counts.select(rows),
+                            output_lens=None if output_lens is None else output_lens[rows]).tokens

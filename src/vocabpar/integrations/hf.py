@@ -49,7 +49,8 @@ from vocabpar.sampling.scoring import TokenLogprobs, token_logprobs
 from vocabpar.wire.scripts import SCORE_ROWS
 from vocabpar.wire.strategies import STRATEGIES
 
-NextTokens = Callable[[torch.Tensor, SamplingParams, torch.Tensor, TokenCounts | None], torch.Tensor]
+NextTokens = Callable[[torch.Tensor, SamplingParams, torch.Tensor, TokenCounts | None, torch.Tensor],
+                      torch.Tensor]
 Scorer = Callable[[torch.Tensor, torch.Tensor], TokenLogprobs]  # (hidden rows, target ids) -> scores
 
 
@@ -200,8 +201,9 @@ def reference_generate(model: nn.Module, prompts: Sequence[Sequence[int]],
     ``lm_head`` logits (FP32) with :func:`reference_sample`."""
     lm_head = model.get_output_embeddings()
 
-    def next_tokens(hidden, params, positions, counts):
-        return sample_rows(lm_head(hidden).float(), params, positions, counts, slice(0, hidden.shape[0]))
+    def next_tokens(hidden, params, positions, counts, output_lens):
+        return sample_rows(lm_head(hidden).float(), params, positions, counts, slice(0, hidden.shape[0]),
+                           output_lens)
 
     return _decode(model.eval(), model.get_input_embeddings(), lm_head.weight.shape[0], next_tokens, prompts,
                    params, max_new_tokens)
@@ -220,13 +222,13 @@ def _decode(model: nn.Module, embed: nn.Module, vocab: int, next_tokens: NextTok
     history: list[list[int]] = [[] for _ in range(B)]
     penalised = uses_penalties(params, B, vocab)
     inputs, valid = ids, req.mask.bool()
-    for _ in range(max_new_tokens):
+    for produced in range(max_new_tokens):
         before, start = comm.traffic(), time.perf_counter()
         states = stream.feed(inputs, position_ids, valid)
         if scorer is not None and not out.inputs:  # the prefill: score the prompts' own tokens
             out.prompt_logprobs = _score_prompts(scorer, states, ids, prompts)
         counts = TokenCounts.from_history(history, prompts) if penalised else None
-        tokens = next_tokens(last_rows(states), params, positions, counts)
+        tokens = next_tokens(last_rows(states), params, positions, counts, torch.full((B,), produced))
         out.record(before, start, inputs)
         for b, t in enumerate(tokens.tolist()):
             out.tokens[b].append(t)

@@ -34,6 +34,7 @@ from vocabpar.integrations.decode import (
     uses_penalties,
 )
 from vocabpar.sampling import SamplingParams
+from vocabpar.sampling.constraints import per_row
 from vocabpar.wire.strategies import STRATEGIES
 
 DRAFT_SEED = 0x5DEECE66D  # xor'ed into a row's seed for its draft model's proposals
@@ -90,9 +91,12 @@ def speculative_generate(lm, prompts: Sequence[Sequence[int]], params: SamplingP
             raise ValueError("the draft model must be parallelized like the target: same vocabulary layout, "
                              "strategy and group")
     V, B = lm.layout.vocab_size, len(prompts)
-    rows = params.resolve(B, V)
     if uses_penalties(params, B, V):
         raise ValueError("speculative decoding does not apply repetition, presence or frequency penalties")
+    if any(per_row("min_tokens", params.min_tokens, B, int)):
+        raise ValueError("speculative decoding in generate does not count min_tokens (rows accept drafts at "
+                         "different rates); verify(..., output_lens=) does")
+    rows = params.resolve(B, V)
     req = open_request(lm.model, lm.embedding, V, prompts, params, max_new_tokens)
     ids, mask, start_positions, device = req.ids, req.mask, req.position_ids, req.device
     target, out = req.stream, req.out

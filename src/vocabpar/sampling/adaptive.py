@@ -81,7 +81,8 @@ temporaries."""
 
 def sample(local_logits: torch.Tensor, layout: VocabLayout, params: SamplingParams, *,
            positions: torch.Tensor, group: comm.ProcessGroup = None, token_counts: TokenCounts | None = None,
-           bitmask: torch.Tensor | None = None, check: bool | None = None) -> SampleOutput:
+           bitmask: torch.Tensor | None = None, check: bool | None = None,
+           output_lens: torch.Tensor | None = None) -> SampleOutput:
     """Sample one token per row from this rank's FP32 shard ``[B, rows]``; every rank of the
     group returns the same :class:`SampleOutput`, equal to :func:`reference_sample` on the full
     logits. Invalid input on any rank, or ranks that disagree on the layout, the batch, the
@@ -90,7 +91,8 @@ def sample(local_logits: torch.Tensor, layout: VocabLayout, params: SamplingPara
     first collective; NaN rows and rows with nothing allowed raise it on every rank after it.
     Works on the device of ``local_logits`` (CUDA under NCCL)."""
     with on_device(local_logits.device):
-        return _sample_on_device(local_logits, layout, params, positions, group, token_counts, bitmask, check)
+        return _sample_on_device(local_logits, layout, params, positions, group, token_counts, bitmask, check,
+                                 output_lens)
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ class _Inputs:
 
 
 def _checked_inputs(local_logits, layout, params, positions, group, token_counts, bitmask,
-                    check) -> _Inputs:
+                    check, output_lens) -> _Inputs:
     """Validate this rank's input, then (when the logits are sharded) agree with the other ranks
     on everything that must be replicated: one 256-byte all-gather."""
     checked: list[_Inputs] = []
@@ -116,7 +118,7 @@ def _checked_inputs(local_logits, layout, params, positions, group, token_counts
         V = layout.vocab_size
         rows, pos, counts, mask = check_sample_inputs("local logits", local_logits, ranks.ids.numel(), V,
                                                       params, positions, token_counts, bitmask,
-                                                      f" on rank {ranks.me}")
+                                                      f" on rank {ranks.me}", output_lens)
         checked.append(_Inputs(ranks, rows, pos, counts, mask))
         seen = [] if counts is None else [counts.ids, counts.counts] + (
             [] if counts.in_prompt is None else [counts.in_prompt.long()])
@@ -132,8 +134,9 @@ def _checked_inputs(local_logits, layout, params, positions, group, token_counts
 
 
 def _sample_on_device(local_logits, layout, params, positions, group, token_counts, bitmask,
-                      check) -> SampleOutput:
-    inputs = _checked_inputs(local_logits, layout, params, positions, group, token_counts, bitmask, check)
+                      check, output_lens) -> SampleOutput:
+    inputs = _checked_inputs(local_logits, layout, params, positions, group, token_counts, bitmask, check,
+                             output_lens)
     rows = inputs.rows
     choice = choose(local_logits, layout, inputs.ranks, rows, inputs.positions, inputs.token_counts,
                     inputs.bitmask)
@@ -175,9 +178,8 @@ def choose(raw: torch.Tensor, layout: VocabLayout, ranks: Ranks, rows: Rows, pos
     drawn. NaN rows and rows with nothing allowed raise on every rank, named by ``row_name``.
     ``raw``: float32 ``[B, columns]``; ``positions``, ``draws``: ``[B]``."""
     V = layout.vocab_size
-    penalty = None if token_counts is None else (*layout.local_ids(token_counts.ids, ranks.me), token_counts)
     ids = ranks.ids
-    x = processed_logits(raw, ids, rows, penalty, bitmask)
+    x = processed_logits(raw, ids, rows, lambda t: layout.local_ids(t, ranks.me), token_counts, bitmask)
     c = candidates_per_rank(rows, V, ranks)
     first = gather_round_one(raw, x, ids, c, ranks)
     best, tokens = merge_argmax(torch.where(first.max.isnan(), NEG_INF, first.max), first.max_id)

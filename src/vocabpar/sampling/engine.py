@@ -40,16 +40,20 @@ from vocabpar.kernels.fused import nan_and_ties
 from vocabpar.layout import VocabLayout
 from vocabpar.plan.machine import link
 from vocabpar.sampling.candidates import shard_top
+from vocabpar.sampling.constraints import held_back
 from vocabpar.sampling.failures import Check, Failures, Packed, rejected_input
 from vocabpar.sampling.fixed import DraftPairs, MaskedRows, padded
 from vocabpar.sampling.params import (
+    ROW_CONSTRAINTS,
     ROW_FIELDS,
     Rows,
     SamplingParams,
     TokenCounts,
     check_bitmask,
     check_positions,
+    check_row_counts,
     describe,
+    stacked_rows,
 )
 from vocabpar.sampling.ranks import group_ranks, param_words, params_fact, row_fingerprints
 from vocabpar.sampling.scoring import TokenLogprobs, local_scores, merged_scores
@@ -104,6 +108,9 @@ class Batch:
     verify_plans: tuple[EnginePlan, EnginePlan]
     """The plan of a ``verify`` call without and with draft logits, and its check word (below)."""
     verify_plan_words: tuple[int, int]
+    held: tuple[SamplingParams, torch.Tensor] | None = None
+    """The parameters and ``output_lens`` of a batch holding back some row's stop ids
+    (``min_tokens``), which verification recomputes per draft position on the host."""
 
     @property
     def size(self) -> int:
@@ -161,27 +168,30 @@ class Sampler:
     # ------------------------------------------------------------------ host side
     def prepare(self, params: SamplingParams, *, positions: torch.Tensor,
                 token_counts: TokenCounts | None = None, bitmask: torch.Tensor | None = None,
-                device: torch.device | str | None = None) -> Batch:
+                device: torch.device | str | None = None, output_lens: torch.Tensor | None = None) -> Batch:
         """Validate a batch of ``len(positions)`` rows (raises ``ValueError`` here, on the host)
-        and plan its calls. The rows' tensors go to ``device`` (default: the group's device)."""
+        and plan its calls. The rows' tensors go to ``device`` (default: the group's device).
+        ``output_lens``: the tokens each row has produced, for ``min_tokens``."""
         device = torch.device(device) if device is not None else comm.device(self.group)
         V = self.layout.vocab_size
         pos = torch.as_tensor(positions)
         if pos.dim() != 1:
             raise ValueError(f"positions must be one integer per row (1-D), got shape {tuple(pos.shape)}")
         B = pos.shape[0]
-        _same_rows(B, params, token_counts, bitmask)
+        check_row_counts(B, params, token_counts, bitmask)
         pos = check_positions(pos, B)
         if B > self.max_rows:
             raise ValueError(f"batch of {B} rows exceeds max_rows={self.max_rows}")
-        host = params.resolve(B, V)
+        host = params.resolve(B, V, output_lens)
         if host.top_n > self.max_top_n:
             raise ValueError(f"logprobs asks for {host.top_n} top tokens but max_top_n={self.max_top_n}")
         if token_counts is not None:
             token_counts.check(B, V)
         if bitmask is not None:
             check_bitmask(bitmask, B, V)
-        rows = replace(host, **{name: getattr(host, name).to(device) for name in ROW_FIELDS},
+        fields = (*ROW_FIELDS, *ROW_CONSTRAINTS)
+        rows = replace(host, **{name: getattr(host, name).to(device) for name in fields
+                                if getattr(host, name) is not None},
                        logprobs=None if host.logprobs is None else host.logprobs.to(device))
         counts = None if token_counts is None else token_counts.to(device)
         mask = None if bitmask is None else bitmask.to(device)
@@ -193,15 +203,16 @@ class Sampler:
                  rows.logprobs if rows.logprobs is not None else -1, pos,
                  torch.cat([t.flatten() for t in seen] + [torch.zeros(0, dtype=torch.long, device=device)]),
                  mask if mask is not None else 0]
-        per_row = seen + [t for t in (rows.logprobs, mask) if t is not None]
-        row_params, row_facts = self._row_facts(rows, pos, per_row)
+        row_inputs = seen + [t for t in (rows.logprobs, mask) if t is not None]
+        row_params, row_facts = self._row_facts(rows, pos, row_inputs)
         # verify's stacked rows repeat the batch's plan, in messages of verify_rows rows; its
         # check word is hashed here, on the host, so that a compiled verify needs no host code
         verify_plans = tuple(replace(plan, rows=self.verify_rows, top_n=None, drafts=drafts)
                              for drafts in (False, True))
+        held = held_back(params.min_tokens, params.stop_token_ids, output_lens, B)
         return Batch(rows, tuple(host.greedy.tolist()), host.top_n, pos, counts, mask, plan,
                      self._facts(facts, device), row_facts, row_params, verify_plans,
-                     tuple(_crc(repr(p)) for p in verify_plans))
+                     tuple(_crc(repr(p)) for p in verify_plans), (params, output_lens) if held else None)
 
     def _plan(self, host: Rows) -> EnginePlan:
         """The script of a ``sample`` call on these (host) parameters."""
@@ -304,6 +315,10 @@ class Sampler:
         problem = _problem(problem, (draft_tokens < 0) | (draft_tokens >= V), 2)
         drafts = draft_tokens.clamp(0, V - 1)
         rows = batch.rows.take(at)
+        if batch.held is not None:  # min_tokens counts the draft positions: each stacked row's own exclusions
+            params, lens = batch.held
+            cpu = (torch.tensor(index), torch.tensor(offset))
+            rows = replace(rows, allowed=stacked_rows(params, B, V, *cpu, lens).allowed.to(device))
         positions = batch.positions[at] + torch.tensor(offset, dtype=torch.long, device=device)
         plan = batch.verify_plans[bool(drafted)]
         draft_fact, row_facts = 0, batch.row_params
@@ -435,11 +450,8 @@ class Sampler:
         device, B, V = positions.device, positions.shape[0], self.layout.vocab_size
         n, M = self.ranks.n, plan.rows
         ids, real = self._columns(device)
-        penalty = None
-        if token_counts is not None:
-            cols, owned = self.layout.local_ids(token_counts.ids, self.ranks.me)
-            penalty = cols.to(device), owned.to(device), token_counts
-        x = processed_logits(raw, ids, rows, penalty, bitmask, padded=self.padded)
+        x = processed_logits(raw, ids, rows, lambda t: self.layout.local_ids(t, self.ranks.me), token_counts,
+                             bitmask, padded=self.padded)
         c = plan.candidates
         # 1. round one, with the check folded in
         if x.shape[1]:
@@ -469,21 +481,6 @@ class Sampler:
         if c == 0:
             return choice.settle(tokens)
         return choice.sample(self.ranks, rows, positions, plan, first, best)
-
-
-def _same_rows(B: int, params: SamplingParams, token_counts: TokenCounts | None,
-               bitmask: torch.Tensor | None) -> None:
-    """Raise ``ValueError`` naming each per-row argument whose length is not ``positions``' ``B``."""
-    lengths = params.row_counts()
-    if isinstance(token_counts, TokenCounts) and isinstance(token_counts.ids, torch.Tensor) \
-            and token_counts.ids.dim():
-        lengths["token_counts"] = token_counts.ids.shape[0]
-    if isinstance(bitmask, torch.Tensor) and bitmask.dim():
-        lengths["bitmask"] = bitmask.shape[0]
-    wrong = [f"{name} has {n}" for name, n in lengths.items() if n != B]
-    if wrong:
-        raise ValueError(f"positions has {B} rows but {' and '.join(wrong)}: every per-row argument needs "
-                         f"one value per row (positions sets the batch)")
 
 
 def _problem(problem: torch.Tensor, bad: torch.Tensor, code: int) -> torch.Tensor:

@@ -9,12 +9,13 @@ from __future__ import annotations
 import contextlib
 import math
 import reprlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
 from vocabpar.hashing import M32, fmix32
+from vocabpar.sampling.constraints import allowed_bits, bias_lists, check_output_lens, per_row, per_row_ids
 
 GREEDY_BELOW = 1e-5
 """A temperature below this is greedy decoding (vLLM's ``_SAMPLING_EPS``)."""
@@ -40,6 +41,10 @@ ROW_FIELDS = {"temperature": torch.float64, "top_k": torch.int64, "top_p": torch
               "min_p": torch.float64, "repetition_penalty": torch.float32, "presence_penalty": torch.float32,
               "frequency_penalty": torch.float32, "seed": torch.int64}
 """The per-row fields of :class:`SamplingParams` and the dtype each resolves to."""
+ROW_CONSTRAINTS = ("bias_ids", "bias", "allowed")
+"""The fields of :class:`Rows` that hold the resolved request constraints (``None`` when unused)."""
+CONSTRAINT_IDS = ("allowed_token_ids", "stop_token_ids")
+"""The constraints given as token ids, for every row (a flat list) or per row (a list of lists)."""
 
 RULES: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str]] = {
     "temperature": (lambda t: (t >= 0) & (t <= MAX_TEMPERATURE), f"must be in [0, {MAX_TEMPERATURE:g}]"),
@@ -86,7 +91,13 @@ class SamplingParams:
     list gives each row its own seed (pin a request's seed this way: it then samples the same
     wherever it sits in a batch); ``None`` draws a fresh batch seed from torch's default
     generator at construction (every rank must draw the same: seed torch alike on every rank).
-    Scalars and the batch-wide fields are checked here; per-row values when resolved."""
+    Scalars and the batch-wide fields are checked here; per-row values when resolved.
+
+    Request constraints (:mod:`vocabpar.sampling.constraints`), each for every row or one per
+    row: ``logit_bias`` (``{token_id: bias}``, added to the logits before the penalties),
+    ``allowed_token_ids`` (every other id is excluded), ``min_tokens`` with ``stop_token_ids``
+    (the stop ids are excluded while the row has produced fewer than ``min_tokens`` tokens: the
+    call's ``output_lens``)."""
 
     temperature: Value = 1.0
     top_k: Value = 0
@@ -99,6 +110,10 @@ class SamplingParams:
     logprobs: int | None | Sequence[int | None] = None
     logprobs_of: str = "raw"
     filter_order: str = "hf"
+    logit_bias: Mapping[int, float] | Sequence[Mapping[int, float] | None] | None = None
+    allowed_token_ids: Sequence[int] | Sequence[Sequence[int] | None] | None = None
+    min_tokens: int | Sequence[int] = 0
+    stop_token_ids: Sequence[int] | Sequence[Sequence[int] | None] | None = None
 
     def __post_init__(self) -> None:
         """Draw the seed ``None`` asks for; reject a bad scalar or batch-wide field here, in one
@@ -122,19 +137,32 @@ class SamplingParams:
             raise ValueError(f"SamplingParams: logprobs must be None, an int >= 0 or one such value per row, "
                              f"got {n!r}")
 
-    def resolve(self, batch: int, vocab_size: int) -> Rows:
+    def resolve(self, batch: int, vocab_size: int, output_lens: torch.Tensor | None = None) -> Rows:
         """Broadcast to ``batch`` rows (a scalar seed becomes :func:`row_seeds`) and validate;
-        raises ``ValueError`` naming row and field."""
+        raises ``ValueError`` naming row and field. ``output_lens``: the tokens each row has
+        produced (needed by ``min_tokens``)."""
         cols = {name: _column(name, getattr(self, name), dtype, batch) for name, dtype in ROW_FIELDS.items()}
         cols["top_k"] = cols["top_k"].clamp(min=0)  # -1 is vLLM's "off", our 0
+        device = torch.empty(0).device  # the current default device
+        bias = bias_lists(self.logit_bias, batch, vocab_size)
+        bias_ids, bias = (None, None) if bias is None else (t.to(device) for t in bias)
+        allowed = allowed_bits(self.allowed_token_ids, self.min_tokens, self.stop_token_ids, output_lens,
+                               batch, vocab_size)
         return Rows(**cols, logprobs=self._logprob_counts(batch, vocab_size), logprobs_of=self.logprobs_of,
-                    filter_order=self.filter_order)
+                    filter_order=self.filter_order, bias_ids=bias_ids, bias=bias,
+                    allowed=None if allowed is None else allowed.to(device))
 
     def row_counts(self) -> dict[str, int]:
         """How many values each field given per row (a list or a 1-D tensor) holds, by name."""
-        given = {name: getattr(self, name) for name in [*ROW_FIELDS, "logprobs"]}
-        return {name: len(value) for name, value in given.items()
-                if isinstance(value, (list, tuple)) or getattr(value, "ndim", 0) == 1}
+        given = {name: getattr(self, name) for name in [*ROW_FIELDS, "logprobs", "logit_bias", "min_tokens"]}
+        counts = {name: len(value) for name, value in given.items()
+                  if isinstance(value, (list, tuple)) or getattr(value, "ndim", 0) == 1}
+        for name in CONSTRAINT_IDS:  # per row: a list of lists (or None), not a flat list of ids
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)) and value and all(v is None or isinstance(v, (list, tuple))
+                                                                  for v in value):
+                counts[name] = len(value)
+        return counts
 
     def with_row_seeds(self, batch: int) -> SamplingParams:
         """These parameters with a scalar seed replaced by its ``batch`` per-row seeds, so that
@@ -143,12 +171,24 @@ class SamplingParams:
             return self
         return replace(self, seed=_column("seed", self.seed, torch.int64, batch).cpu())
 
+    def unconstrained(self) -> SamplingParams:
+        """These parameters without request constraints: what resolves each row's filters,
+        penalties and seed alone."""
+        return replace(self, logit_bias=None, allowed_token_ids=None, min_tokens=0, stop_token_ids=None)
+
     def take(self, batch: int, vocab_size: int, index: torch.Tensor) -> SamplingParams:
         """These parameters, resolved for ``batch`` rows, at rows ``index`` (row ``j`` of the result
         is row ``index[j]``); logprobs are not carried."""
-        rows = self.resolve(batch, vocab_size).take(index)
+        rows = self.unconstrained().resolve(batch, vocab_size).take(index)
+        picked = index.tolist()
+        constraints = {
+            "logit_bias": per_row("logit_bias", self.logit_bias, batch, Mapping),
+            "min_tokens": per_row("min_tokens", self.min_tokens, batch, int),
+            **{name: per_row_ids(name, getattr(self, name), batch) for name in CONSTRAINT_IDS}}
         return SamplingParams(**{name: getattr(rows, name) for name in ROW_FIELDS},
-                              logprobs_of=self.logprobs_of, filter_order=self.filter_order)
+                              logprobs_of=self.logprobs_of, filter_order=self.filter_order,
+                              **{name: [values[i] for i in picked] if picked else None
+                                 for name, values in constraints.items()})
 
     def _logprob_counts(self, batch: int, vocab_size: int) -> torch.Tensor | None:
         """int64 ``[B]`` top-logprob counts, -1 for rows that want none; ``None`` if no row does."""
@@ -180,6 +220,9 @@ class Rows:
     logprobs: torch.Tensor | None  # int64, -1 = none for this row; None: no row wants any
     logprobs_of: str
     filter_order: str
+    bias_ids: torch.Tensor | None = None  # int64 [B, K], -1 = empty slot; None: no row has a logit_bias
+    bias: torch.Tensor | None = None  # float32 [B, K], 0 in empty slots
+    allowed: torch.Tensor | None = None  # int32 [B, ceil(V / 32)] bitmask of the ids a row may sample
 
     @property
     def top_n(self) -> int:
@@ -192,7 +235,9 @@ class Rows:
 
     def take(self, index: torch.Tensor) -> Rows:
         """These rows at ``index`` (row ``j`` of the result is row ``index[j]``), without logprobs."""
-        return replace(self, **{name: getattr(self, name)[index] for name in ROW_FIELDS}, logprobs=None)
+        taken = {name: getattr(self, name)[index] for name in (*ROW_FIELDS, *ROW_CONSTRAINTS)
+                 if getattr(self, name) is not None}
+        return replace(self, **taken, logprobs=None)
 
 
 @dataclass(frozen=True)
@@ -300,6 +345,29 @@ def _column(name: str, value: Value, dtype: torch.dtype, batch: int) -> torch.Te
     return t.to(device=torch.empty(0).device)  # the current default device
 
 
+def stacked_rows(params: SamplingParams, batch: int, vocab_size: int, index: torch.Tensor,
+                 offset: torch.Tensor, output_lens: torch.Tensor | None) -> Rows:
+    """The rows of ``params`` (resolved for ``batch`` rows) at ``index``, each ``offset`` tokens
+    further on: verification's stacked rows, whose ``min_tokens`` counts ``output_lens + offset``."""
+    lens = None if output_lens is None else check_output_lens(output_lens, batch)[index.cpu()] + offset.cpu()
+    return params.take(batch, vocab_size, index).resolve(index.numel(), vocab_size, lens)
+
+
+def check_row_counts(B: int, params: SamplingParams, token_counts: TokenCounts | None,
+                     bitmask: torch.Tensor | None) -> None:
+    """Raise ``ValueError`` naming each per-row argument whose length is not ``positions``' ``B``."""
+    lengths = params.row_counts()
+    if isinstance(token_counts, TokenCounts) and isinstance(token_counts.ids, torch.Tensor) \
+            and token_counts.ids.dim():
+        lengths["token_counts"] = token_counts.ids.shape[0]
+    if isinstance(bitmask, torch.Tensor) and bitmask.dim():
+        lengths["bitmask"] = bitmask.shape[0]
+    wrong = [f"{name} has {n}" for name, n in lengths.items() if n != B]
+    if wrong:
+        raise ValueError(f"positions has {B} rows but {' and '.join(wrong)}: every per-row argument needs "
+                         f"one value per row (positions sets the batch)")
+
+
 def check_positions(positions: torch.Tensor | Sequence[int], batch: int) -> torch.Tensor:
     """The per-row decode positions as int64 ``[B]``, all >= 0."""
     positions = torch.as_tensor(positions)
@@ -334,18 +402,18 @@ def to_device(device: torch.device, positions: torch.Tensor, token_counts: Token
 def check_sample_inputs(name: str, logits: torch.Tensor, columns: int | None, vocab_size: int | None,
                         params: SamplingParams,
                         positions: torch.Tensor | Sequence[int], token_counts: TokenCounts | None,
-                        bitmask: torch.Tensor | None, where: str = ""
+                        bitmask: torch.Tensor | None, where: str = "", output_lens: torch.Tensor | None = None
                         ) -> tuple[Rows, torch.Tensor, TokenCounts | None, torch.Tensor | None]:
     """Validate one sampling call's inputs -- ``logits`` float32 ``[B, columns]`` (``name`` in
     the error), the parameters, positions, token counts and bitmask of ``B`` rows over
-    ``vocab_size`` ids (``None`` for both: full rows of any width) -- and return the resolved
-    rows and the per-row inputs on the logits' device."""
+    ``vocab_size`` ids (``None`` for both: full rows of any width), ``output_lens`` for
+    ``min_tokens`` -- and return the resolved rows and the per-row inputs on the logits' device."""
     if not isinstance(logits, torch.Tensor) or logits.dtype != torch.float32 or logits.dim() != 2 \
             or columns not in (None, logits.shape[1]):
         raise ValueError(f"{name} must be float32 [B, {'V' if columns is None else columns}]{where}, "
                          f"got {describe(logits)}{_logits_hint(logits, columns, vocab_size)}")
     B, vocab_size = logits.shape[0], vocab_size or logits.shape[1]
-    rows = params.resolve(B, vocab_size)
+    rows = params.resolve(B, vocab_size, output_lens)
     pos = check_positions(positions, B)
     if token_counts is not None:
         token_counts.check(B, vocab_size)

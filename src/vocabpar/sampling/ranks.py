@@ -57,7 +57,7 @@ def agreed(where: str, layout: VocabLayout, group: comm.ProcessGroup,
 def params_fact(rows: Rows) -> torch.Tensor:
     """The per-row sampling parameters as one int64 tensor, field after field, for the agreement
     check; a disagreement names the fields that differ (:func:`vocabpar.comm.with_parts`)."""
-    return comm.with_parts(torch.cat(_param_fields(rows)), list(ROW_FIELDS))
+    return comm.with_parts(torch.cat(_param_fields(rows)), [*ROW_FIELDS, "logit_bias", "allowed ids"])
 
 
 def param_words(rows: Rows) -> torch.Tensor:
@@ -66,9 +66,14 @@ def param_words(rows: Rows) -> torch.Tensor:
 
 
 def _param_fields(rows: Rows) -> list[torch.Tensor]:
-    """Each per-row field as int64 ``[B]`` (a float as its float64 bits)."""
-    return [getattr(rows, name).double().view(torch.long) if dtype.is_floating_point else getattr(rows, name)
-            for name, dtype in ROW_FIELDS.items()]
+    """Each per-row field as int64 ``[B]`` (a float as its float64 bits), then per row the
+    fingerprints of its ``logit_bias`` and of the ids it may sample (0 when unused)."""
+    fields = [getattr(rows, name).double().view(torch.long) if dtype.is_floating_point
+              else getattr(rows, name) for name, dtype in ROW_FIELDS.items()]
+    unused = torch.zeros_like(rows.seed)
+    bias = unused if rows.bias is None else row_fingerprints(rows.bias_ids, rows.bias)
+    allowed = unused if rows.allowed is None else row_fingerprints(rows.allowed)
+    return fields + [bias, allowed]
 
 
 def row_fingerprints(*parts: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from vocabpar.sampling.params import (
     check_sample_inputs,
     check_verify_inputs,
     on_device,
+    stacked_rows,
 )
 from vocabpar.sampling.semantics import (
     NEG_INF,
@@ -51,21 +52,20 @@ from vocabpar.sampling.semantics import (
 
 
 def reference_sample(full_logits: torch.Tensor, params: SamplingParams, *, positions: torch.Tensor,
-                     token_counts: TokenCounts | None = None,
-                     bitmask: torch.Tensor | None = None) -> SampleOutput:
+                     token_counts: TokenCounts | None = None, bitmask: torch.Tensor | None = None,
+                     output_lens: torch.Tensor | None = None) -> SampleOutput:
     """Sample one token per row of FP32 ``full_logits`` ``[B, vocab_size]`` (on their device)."""
     with on_device(full_logits.device):
-        return _reference_on_device(full_logits, params, positions, token_counts, bitmask)
+        return _reference_on_device(full_logits, params, positions, token_counts, bitmask, output_lens)
 
 
-def _reference_on_device(full_logits, params, positions, token_counts, bitmask) -> SampleOutput:
+def _reference_on_device(full_logits, params, positions, token_counts, bitmask, output_lens) -> SampleOutput:
     rows, positions, token_counts, bitmask = check_sample_inputs("logits", full_logits, None, None, params,
-                                                                 positions, token_counts, bitmask)
+                                                                 positions, token_counts, bitmask,
+                                                                 output_lens=output_lens)
     B, V = full_logits.shape
     ids = torch.arange(V)
-    penalty = None if token_counts is None else (token_counts.ids.clamp(min=0), token_counts.ids >= 0,
-                                                 token_counts)
-    x = processed_logits(full_logits, ids, rows, penalty, bitmask)
+    x = processed_logits(full_logits, ids, rows, lambda t: (t.clamp(min=0), t >= 0), token_counts, bitmask)
     xmax = x.max(1).values
     check_rows(full_logits.isnan().any(1), xmax == float("-inf"))
 
@@ -113,23 +113,32 @@ def _sample_row(x: torch.Tensor, keep: torch.Tensor, b: int, rows: Rows, positio
 
 
 def reference_verify(full_target_logits: torch.Tensor, params: SamplingParams, draft_tokens: torch.Tensor, *,
-                     positions: torch.Tensor, draft_logits: torch.Tensor | None = None) -> VerifyOutput:
+                     positions: torch.Tensor, draft_logits: torch.Tensor | None = None,
+                     output_lens: torch.Tensor | None = None) -> VerifyOutput:
     """Verify ``draft_tokens`` (int64 ``[B, k]``) against the full FP32 target logits
     ``[B, k+1, V]`` and optional draft logits ``[B, k, V]``, one row and position at a time (the
     semantics of :mod:`vocabpar.sampling.verify`)."""
     with on_device(full_target_logits.device):
         V = full_target_logits.shape[-1] if isinstance(full_target_logits, torch.Tensor) else 0
         B, k = check_verify_inputs(full_target_logits, draft_tokens, draft_logits, V, V)
-        rows = params.resolve(B, V)
+        rows = params.resolve(B, V, output_lens)
         positions = check_positions(positions, B).to(full_target_logits.device)
         # what plain sampling draws at every position (raises on NaN / empty target rows)
         every = torch.arange(B).repeat_interleave(k + 1)
-        at = positions[every] + torch.arange(k + 1).repeat(B)
-        drawn = reference_sample(full_target_logits.reshape(B * (k + 1), V), params.take(B, V, every),
-                                 positions=at).tokens.view(B, k + 1)
+        offset = torch.arange(k + 1).repeat(B)
+        at = positions[every] + offset
+        stacked = params.take(B, V, every)
+        lens = None if output_lens is None else torch.as_tensor(output_lens)[every] + offset
+        drawn = reference_sample(full_target_logits.reshape(B * (k + 1), V), stacked, positions=at,
+                                 output_lens=lens).tokens.view(B, k + 1)
+        # the logits each position was drawn from: the request's constraints at that position
+        by_position = stacked_rows(params, B, V, every, offset, output_lens)
+        target_x = _constrained(full_target_logits.reshape(B * (k + 1), V), by_position).view(B, k + 1, V)
         if draft_logits is not None:  # a greedy row ignores its draft logits
-            flat = draft_logits[~rows.greedy].reshape(-1, V)
-            check_rows(flat.isnan().any(1), (flat == NEG_INF).all(1))
+            draft_x = _constrained(torch.cat([draft_logits, draft_logits[:, :1]], 1).reshape(B * (k + 1), V),
+                                   by_position).view(B, k + 1, V)[:, :k]
+            flat = draft_x[~rows.greedy].reshape(-1, V)
+            check_rows(draft_logits[~rows.greedy].reshape(-1, V).isnan().any(1), (flat == NEG_INF).all(1))
         accepted = torch.zeros(B, dtype=torch.long)
         tokens = torch.full((B, k + 1), -1, dtype=torch.long)
         for b in range(B):
@@ -138,11 +147,11 @@ def reference_verify(full_target_logits: torch.Tensor, params: SamplingParams, d
                     tokens[b, i] = drawn[b, i]
                     break
                 x = int(draft_tokens[b, i])
-                target = full_target_logits[b, i]
+                target = target_x[b, i]
                 if draft_logits is None or rows.greedy[b] or target.max() == float("inf"):
                     ok, correction = x == int(drawn[b, i]), int(drawn[b, i])
                 else:
-                    p, q = _kept_mass(target, rows, b), _kept_mass(draft_logits[b, i], rows, b)
+                    p, q = _kept_mass(target, rows, b), _kept_mass(draft_x[b, i], rows, b)
                     u = accept_uniform(rows.seed[b: b + 1], positions[b: b + 1] + i)
                     ok = bool(accepts(u, p[x], p.sum(), q[x], q.sum()))
                     scores = residual_scores(p[None], p.sum()[None], q[None], q.sum()[None],
@@ -155,6 +164,12 @@ def reference_verify(full_target_logits: torch.Tensor, params: SamplingParams, d
                 tokens[b, i] = x
                 accepted[b] += 1
         return VerifyOutput(accepted, tokens)
+
+
+def _constrained(logits: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """Full rows ``[F, V]`` with each row's ``logit_bias`` and exclusions applied (no penalties)."""
+    return processed_logits(logits, torch.arange(logits.shape[1]), rows, lambda t: (t.clamp(min=0), t >= 0),
+                            None, None)
 
 
 def _kept_mass(x: torch.Tensor, rows: Rows, b: int) -> torch.Tensor:

@@ -113,18 +113,29 @@ def penalise(x: torch.Tensor, cols: torch.Tensor, owned: torch.Tensor, counts: T
     """Apply, to ``x[b, cols[b, k]]`` where ``owned[b, k]``: repetition (divide positive, multiply
     negative logits) to tokens in the prompt or generated, as HF and vLLM; then frequency and
     presence penalties from the generated counts only, as vLLM and OpenAI. ``x``: ``[B, R]``;
-    ``cols``, ``owned``: ``[B, K]``. No host read: the slots this rank does not own write into a
-    spare column."""
-    B, R = x.shape
-    if not R:
-        return x
+    ``cols``, ``owned``: ``[B, K]``. No host read."""
     n = counts.counts
-    v = x.gather(1, cols)
     generated = n > 0
     seen = generated if counts.in_prompt is None else generated | counts.in_prompt
     rep = rows.repetition_penalty[:, None]
-    v = torch.where(seen, torch.where(v > 0, v / rep, v * rep), v)
-    v = v - rows.frequency_penalty[:, None] * n.float() - rows.presence_penalty[:, None] * generated.float()
+
+    def penalised(v: torch.Tensor) -> torch.Tensor:
+        v = torch.where(seen, torch.where(v > 0, v / rep, v * rep), v)
+        v = v - rows.frequency_penalty[:, None] * n.float()
+        return v - rows.presence_penalty[:, None] * generated.float()
+
+    return _listed(x, cols, owned, penalised)
+
+
+def _listed(x: torch.Tensor, cols: torch.Tensor, owned: torch.Tensor,
+            change: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``x`` ``[B, R]`` with ``x[b, cols[b, k]]`` replaced by ``change`` of those values where
+    ``owned[b, k]`` (a row's listed columns are distinct). No host read: the slots this rank does
+    not own write into a spare column."""
+    B, R = x.shape
+    if not R:
+        return x
+    v = change(x.gather(1, cols))
     out = torch.cat([x, x.new_zeros(B, 1)], 1)
     out.scatter_(1, torch.where(owned, cols, R), torch.where(owned, v, 0.0))
     return out[:, :R]
@@ -138,19 +149,29 @@ def allowed(bitmask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return ((words >> (safe & 31)) & 1).bool() & (ids >= 0)
 
 
-def processed_logits(raw: torch.Tensor, ids: torch.Tensor, rows: Rows,
-                     penalty_cols: tuple[torch.Tensor, torch.Tensor, TokenCounts] | None,
-                     bitmask: torch.Tensor | None, padded: bool | None = None) -> torch.Tensor:
-    """``x``: padding -> -inf, penalties, bitmask (disallowed -> -inf). Returns ``raw`` itself
-    when there is nothing to change (no padding, penalties or mask). ``padded``: whether ``ids``
-    hold padding (``None``: read it from ``ids``, one host read)."""
+Columns = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""Maps global token ids ``[B, K]`` to this rank's ``(columns, owned)`` (as
+:meth:`~vocabpar.layout.VocabLayout.local_ids`)."""
+
+
+def processed_logits(raw: torch.Tensor, ids: torch.Tensor, rows: Rows, columns: Columns,
+                     token_counts: TokenCounts | None, bitmask: torch.Tensor | None,
+                     padded: bool | None = None) -> torch.Tensor:
+    """``x``, in vLLM's order: padding -> -inf, the rows' ``logit_bias``, penalties, then every id a
+    row may not sample (its ``allowed_token_ids`` and ``min_tokens`` exclusions, the grammar's
+    ``bitmask``) -> -inf. Returns ``raw`` itself when there is nothing to change. ``padded``:
+    whether ``ids`` hold padding (``None``: read it from ``ids``, one host read)."""
     padded = not bool((ids >= 0).all()) if padded is None else padded
     x = torch.where(ids >= 0, raw, NEG_INF) if padded else raw
-    if penalty_cols is not None:
-        cols, owned, counts = penalty_cols
-        x = penalise(x, cols, owned & (counts.ids >= 0), counts, rows)
-    if bitmask is not None:
-        x = torch.where(allowed(bitmask, ids), x, NEG_INF)
+    if rows.bias is not None:
+        cols, owned = columns(rows.bias_ids)
+        x = _listed(x, cols, owned & (rows.bias_ids >= 0), lambda v: v + rows.bias)
+    if token_counts is not None:
+        cols, owned = columns(token_counts.ids)
+        x = penalise(x, cols, owned & (token_counts.ids >= 0), token_counts, rows)
+    mask = bitmask if rows.allowed is None else rows.allowed if bitmask is None else rows.allowed & bitmask
+    if mask is not None:
+        x = torch.where(allowed(mask, ids), x, NEG_INF)
     return x
 
 

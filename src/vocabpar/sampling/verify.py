@@ -38,7 +38,15 @@ from vocabpar import comm
 from vocabpar.kernels.fused import residual
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling.adaptive import Drawn, choose
-from vocabpar.sampling.params import Rows, SamplingParams, check_positions, check_verify_inputs, on_device
+from vocabpar.sampling.constraints import held_back
+from vocabpar.sampling.params import (
+    Rows,
+    SamplingParams,
+    check_positions,
+    check_verify_inputs,
+    on_device,
+    stacked_rows,
+)
 from vocabpar.sampling.ranks import Ranks, agreed, group_ranks, params_fact
 from vocabpar.sampling.semantics import (
     NEG_INF,
@@ -53,21 +61,24 @@ from vocabpar.wire.scripts import VerifyPath, verify_script
 
 def verify(target_logits: torch.Tensor, layout: VocabLayout, params: SamplingParams,
            draft_tokens: torch.Tensor, *, positions: torch.Tensor, draft_logits: torch.Tensor | None = None,
-           group: comm.ProcessGroup = None, check: bool | None = None) -> VerifyOutput:
+           group: comm.ProcessGroup = None, check: bool | None = None,
+           output_lens: torch.Tensor | None = None) -> VerifyOutput:
     """Verify ``draft_tokens`` (int64 ``[B, k]``, replicated) against this rank's FP32 shard of the
     target logits ``[B, k+1, rows]`` (storage order of the layout's shard, padding ignored) and,
     optionally, of the draft logits ``[B, k, rows]``; draft ``i`` sits at ``positions + i``. Every
     rank returns the same :class:`VerifyOutput`, equal to :func:`reference_verify` on the full
     logits. Bad input on any rank (shapes, draft ids out of range, parameters) or ranks that
-    disagree on what must be replicated raise the same ``ValueError`` on every rank."""
+    disagree on what must be replicated raise the same ``ValueError`` on every rank. Request
+    constraints apply at every position as sampling applies them, draft logits included;
+    ``min_tokens`` counts ``output_lens`` (tokens produced before the drafts) plus the position."""
     device = target_logits.device if isinstance(target_logits, torch.Tensor) else torch.device("cpu")
     with on_device(device):
         return _verify_on_device(target_logits, layout, params, draft_tokens, positions, draft_logits, group,
-                                 check)
+                                 check, output_lens)
 
 
 def _verify_on_device(target_logits, layout, params, draft_tokens, positions, draft_logits, group,
-                      check) -> VerifyOutput:
+                      check, output_lens) -> VerifyOutput:
     V = layout.vocab_size
     inputs: list[tuple[Ranks, int, int, torch.Tensor, Rows]] = []
 
@@ -75,7 +86,7 @@ def _verify_on_device(target_logits, layout, params, draft_tokens, positions, dr
         ranks = group_ranks(layout, group)
         where = f" on rank {ranks.me}"
         B, k = check_verify_inputs(target_logits, draft_tokens, draft_logits, V, ranks.ids.numel(), where)
-        rows = params.resolve(B, V)
+        rows = params.resolve(B, V, output_lens)
         if rows.logprobs is not None:
             raise ValueError("verify returns no logprobs: score the emitted tokens with token_logprobs")
         pos = check_positions(positions, B)
@@ -98,6 +109,8 @@ def _verify_on_device(target_logits, layout, params, draft_tokens, positions, dr
     if drafted.numel():
         raw = torch.cat([raw, draft_logits[drafted].reshape(drafted.numel() * k, -1)])
     rows = batch_rows.take(index)
+    if held_back(params.min_tokens, params.stop_token_ids, output_lens, B):  # min_tokens counts the positions
+        rows = replace(rows, allowed=stacked_rows(params, B, V, index, offset, output_lens).allowed)
     targets = B * (k + 1)
 
     def row_name(j: int) -> str:

@@ -3,10 +3,11 @@
 What is served on shards, exactly and identically on every rank: greedy and random sampling with
 temperature, top-k, top-p, min-p (vLLM's order: min-p before top-p), repetition / presence /
 frequency penalties (repetition over prompt and output, the others over the output, as vLLM),
-top-n logprobs of the raw logits (vLLM's default ``raw_logprobs``) with the sampled token's rank,
-per-request seeds, and structured output (xgrammar bitmasks). A step holding any request that
-needs something else gathers the shards and runs vLLM's own sampler, counted by cause
-(:data:`CAUSES`). Random draws are vocabpar's (a request's seed and its position), not vLLM's
+``logit_bias``, ``allowed_token_ids``, ``min_tokens`` (its stop ids: the request's
+``all_stop_token_ids``), top-n logprobs of the raw logits (vLLM's default ``raw_logprobs``) with
+the sampled token's rank, per-request seeds, and structured output (xgrammar bitmasks). A step
+holding any request that needs something else gathers the shards and runs vLLM's own sampler,
+counted by cause (:data:`CAUSES`). Random draws are vocabpar's (a request's seed and its position), not vLLM's
 generator's: the same seed gives the same tokens at any TP size, but not vLLM's tokens.
 """
 
@@ -39,10 +40,7 @@ CAUSES = {
     "logprob_token_ids": "logprobs of chosen token ids",
     "logprobs_mode": "a logprobs_mode other than raw_logprobs",
     "grammar_logprobs": "logprobs asked by a structured-output request (vLLM masks them)",
-    "allowed_token_ids": "allowed_token_ids",
     "bad_words": "bad_words",
-    "logit_bias": "logit_bias",
-    "min_tokens": "min_tokens",
     "thinking_budget": "a thinking-token budget",
     "custom_logitsprocs": "custom logits processors",
     "rows": "logits rows that are not one per request",
@@ -133,6 +131,8 @@ def fallback_cause(runner: Any, grammar_rows: bool) -> str | None:
         MinTokensLogitsProcessor,
     )
 
+    served = (LogitBiasLogitsProcessor, MinPLogitsProcessor, MinTokensLogitsProcessor)  # from the requests
+
     metadata = runner.input_batch.sampling_metadata
     n = metadata.max_num_logprobs
     holder = metadata.thinking_budget_state_holder
@@ -142,17 +142,11 @@ def fallback_cause(runner: Any, grammar_rows: bool) -> str | None:
         ("logprob_token_ids", bool(metadata.logprob_token_ids)),
         ("logprobs_mode", n is not None and runner.model_config.logprobs_mode != "raw_logprobs"),
         ("grammar_logprobs", n is not None and grammar_rows),
-        ("allowed_token_ids", metadata.allowed_token_ids_mask is not None),
         ("bad_words", bool(metadata.bad_words_token_ids)),
         ("thinking_budget", holder is not None and holder.has_tracked_requests()),
     ]
-    for processor in metadata.logitsprocs.all:
-        if isinstance(processor, LogitBiasLogitsProcessor):
-            checks.append(("logit_bias", bool(processor.biases)))
-        elif isinstance(processor, MinTokensLogitsProcessor):
-            checks.append(("min_tokens", bool(processor.min_toks)))
-        elif not isinstance(processor, MinPLogitsProcessor):
-            checks.append(("custom_logitsprocs", True))
+    checks += [("custom_logitsprocs", True) for processor in metadata.logitsprocs.all
+               if not isinstance(processor, served)]
     return next((cause for cause, applies in checks if applies), None)
 
 
@@ -297,7 +291,7 @@ class ShardedSampling:
         inputs = self._inputs(req_ids, bitmask)
         prepared = self.sampler.prepare(inputs["params"], positions=inputs["positions"],
                                         token_counts=inputs["token_counts"], bitmask=inputs["bitmask"],
-                                        device=shard.device)
+                                        output_lens=inputs["output_lens"], device=shard.device)
         with comm.recording() as calls:
             out = self.sampler.sample(shard, prepared)
         host = out.to_host()  # the one copy of the ids, with the flags
@@ -327,12 +321,13 @@ class ShardedSampling:
         model_seed = runner.model_config.seed
         penalised = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
                         for p in params)
+        outputs = metadata.output_token_ids or [runner.requests[rid].output_token_ids for rid in req_ids]
+        outputs = [list(o) for o in outputs[: len(req_ids)]]
         token_counts = None
         if penalised:
             prompts = [batch.token_ids_cpu[b, : batch.num_prompt_tokens[b]].tolist()
                        for b in range(len(req_ids))]
-            outputs = metadata.output_token_ids or [runner.requests[rid].output_token_ids for rid in req_ids]
-            token_counts = TokenCounts.from_history([list(o) for o in outputs[: len(req_ids)]], prompts)
+            token_counts = TokenCounts.from_history(outputs, prompts)
         V = self.vocab_size
         sampling = SamplingParams(
             temperature=[p.temperature for p in params],
@@ -343,9 +338,14 @@ class ShardedSampling:
             presence_penalty=[p.presence_penalty for p in params],
             frequency_penalty=[p.frequency_penalty for p in params],
             seed=[request_seed(p.seed, rid, model_seed) for p, rid in zip(params, req_ids)],
-            logprobs=metadata.max_num_logprobs, logprobs_of="raw", filter_order="vllm")
+            logprobs=metadata.max_num_logprobs, logprobs_of="raw", filter_order="vllm",
+            logit_bias=[p.logit_bias or None for p in params],
+            allowed_token_ids=[list(p.allowed_token_ids) if p.allowed_token_ids else None for p in params],
+            min_tokens=[p.min_tokens for p in params],
+            stop_token_ids=[sorted(p.all_stop_token_ids) or None for p in params])
         positions = torch.as_tensor(batch.num_tokens_no_spec[: len(req_ids)], dtype=torch.long)
-        return {"params": sampling, "positions": positions, "token_counts": token_counts, "bitmask": bitmask}
+        return {"params": sampling, "positions": positions, "token_counts": token_counts, "bitmask": bitmask,
+                "output_lens": torch.tensor([len(o) for o in outputs], dtype=torch.long)}
 
     def _output(self, out: Any, with_logprobs: bool) -> Any:
         """vLLM's ``SamplerOutput`` of a sharded ``sample`` call: int32 ids ``[B, 1]``; with
