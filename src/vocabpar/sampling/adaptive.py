@@ -49,6 +49,7 @@ import torch
 from vocabpar import comm
 from vocabpar.kernels.fused import mass_totals, masses, sample_keys, scored
 from vocabpar.layout import VocabLayout
+from vocabpar.sampling import sigma
 from vocabpar.sampling.candidates import RoundOne, candidates_per_rank, gather_round_one, unsent_mass
 from vocabpar.sampling.params import Rows, SamplingParams, TokenCounts, check_sample_inputs, on_device
 from vocabpar.sampling.ranks import Ranks, agreed, group_ranks, params_fact
@@ -181,12 +182,16 @@ def choose(raw: torch.Tensor, layout: VocabLayout, ranks: Ranks, rows: Rows, pos
     ids = ranks.ids
     x = processed_logits(raw, ids, rows, lambda t: layout.local_ids(t, ranks.me), token_counts, bitmask)
     c = candidates_per_rank(rows, V, ranks)
-    first = gather_round_one(raw, x, ids, c, ranks)
+    with_sigma = c > 0 and bool(((rows.top_n_sigma > 0) & ~rows.greedy).any())
+    first = gather_round_one(raw, x, ids, c, ranks, sigma.terms(x, ids >= 0) if with_sigma else None)
     best, tokens = merge_argmax(torch.where(first.max.isnan(), NEG_INF, first.max), first.max_id)
     nan_rows = first.max.isnan().any(0)
     check_rows(nan_rows, (best == NEG_INF) & ~nan_rows, row_name)
     sampled = ~rows.greedy & (best < float("inf"))
-    path = SamplePath(raw.shape[0], c)
+    if with_sigma:  # top-n-sigma: a mask ahead of every other filter
+        x, cand = sigma.applied(x, first.cand, first.sigma.sum(0), best, rows)
+        first = replace(first, cand=cand)
+    path = SamplePath(raw.shape[0], c, sigma=with_sigma)
     step = thr = None
     if sampled.any():
         step = SampledRows(x, ids, rows, positions, sampled, ranks, V, c, first, best)

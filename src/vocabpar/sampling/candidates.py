@@ -28,6 +28,7 @@ class RoundOne:
     max_id: torch.Tensor  # int64 [n, B]
     cand: torch.Tensor  # float64 [n, B, c] values (float32-exact), desc
     cand_id: torch.Tensor  # int64 [n, B, c], -1 = none
+    sigma: torch.Tensor | None = None  # int64 [n, B, 5]: top-n-sigma's sums, when a row asks
 
 
 def candidates_per_rank(rows: Rows, V: int, ranks: Ranks) -> int:
@@ -57,10 +58,12 @@ def shard_top(x: torch.Tensor, ids: torch.Tensor, c: int) -> tuple[torch.Tensor,
     return vals, cid
 
 
-def gather_round_one(raw: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, c: int, ranks: Ranks) -> RoundOne:
+def gather_round_one(raw: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, c: int, ranks: Ranks,
+                     sigma: torch.Tensor | None = None) -> RoundOne:
     """One all-gather of :func:`vocabpar.wire.records.round_one`: per row, the shard's (max,
-    lowest id) with NaN folded into the max, then its top-``c`` candidates. ``raw``, ``x``:
-    ``[B, columns]`` (raw and processed logits); ``ids``: ``[columns]``."""
+    lowest id) with NaN folded into the max, then its top-``c`` candidates, and ``sigma``
+    (top-n-sigma's sums ``[B, 5]``) when given. ``raw``, ``x``: ``[B, columns]`` (raw and
+    processed logits); ``ids``: ``[columns]``."""
     B, R = x.shape
     if R:
         xmax, col = x.max(1)  # first maximum: storage order is id order
@@ -71,10 +74,11 @@ def gather_round_one(raw: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, c: i
     has_nan = xmax.isnan() if x is raw else nan_and_ties(raw, x, ids >= 0, None)[0]
     # one candidate is the max itself: no second pass over the shard
     cand, cand_id = (xmax.double()[:, None], xmax_id[:, None]) if c == 1 else shard_top(x, ids, c)
-    record = round_one(c)
+    record = round_one(c, sigma=sigma is not None)
+    parts = {} if sigma is None else {"sigma": sigma}
     got = record.unpack(ranks.gather(record.pack(max=torch.where(has_nan, float("nan"), xmax.double()),
-                                                 max_id=xmax_id, values=cand, ids=cand_id)))
-    return RoundOne(got.max, got.max_id, got.values, got.ids)
+                                                 max_id=xmax_id, values=cand, ids=cand_id, **parts)))
+    return RoundOne(got.max, got.max_id, got.values, got.ids, None if sigma is None else got.sigma)
 
 
 def unsent_mass(first: RoundOne, t: torch.Tensor, z_max: torch.Tensor, ranks: Ranks, V: int) -> torch.Tensor:

@@ -4,8 +4,7 @@ A GPU engine samples a persistent batch whose size is bounded at start-up, and p
 host read of a device value (a synchronisation that also rules out CUDA graphs) and for every
 collective whose count depends on the data. :class:`Sampler` is built for that:
 
-1. ``Sampler(layout, max_rows=..., max_top_n=...)`` agrees with the other ranks once, at
-   construction (one handshake).
+1. ``Sampler(layout, max_rows=..., max_top_n=...)`` agrees with the other ranks once (a handshake).
 2. ``prepare(params, positions=...)`` validates on the host and decides the call's
    :class:`~vocabpar.wire.scripts.EnginePlan` from the parameters alone: which filters are
    active, how many candidates round one carries. It computes the fingerprints the check compares.
@@ -39,6 +38,7 @@ from vocabpar.hashing import MASK62, fingerprint
 from vocabpar.kernels.fused import nan_and_ties
 from vocabpar.layout import VocabLayout
 from vocabpar.plan.machine import link
+from vocabpar.sampling import sigma
 from vocabpar.sampling.candidates import shard_top
 from vocabpar.sampling.constraints import held_back
 from vocabpar.sampling.failures import Check, Failures, Packed, rejected_input
@@ -219,7 +219,7 @@ class Sampler:
         return engine_plan(self.max_rows, self.ranks.n, self.widest, self.layout.vocab_size,
                            greedy=host.greedy.tolist(), top_k=host.top_k.tolist(), top_p=host.top_p.tolist(),
                            min_p=host.min_p.tolist(), top_n=None if host.logprobs is None else self.max_top_n,
-                           search_bits=self.search_bits)
+                           search_bits=self.search_bits, top_n_sigma=host.top_n_sigma.tolist())
 
     def _facts(self, facts: list[int | torch.Tensor], device: torch.device) -> torch.Tensor:
         """int64 ``[FACTS]``: ints and 0-dim tensors as they are, other tensors by
@@ -464,9 +464,10 @@ class Sampler:
         # the c-th value, where the cut may split a tied group; none where the shard sends it all
         cut = cand[:, c - 1] if 0 < c <= x.shape[1] else None
         has_nan, ties = nan_and_ties(raw, x, real, cut)
-        record = round_one(c, ties=True)
+        record = round_one(c, ties=True, sigma=plan.sigma)
+        extra = {"sigma": sigma.terms(x, real)} if plan.sigma else {}
         local = padded(record.pack(max=torch.where(has_nan, float("nan"), xmax.double()), max_id=xmax_id,
-                                    values=cand, ids=cand_id, ties=ties), M)
+                                    values=cand, ids=cand_id, ties=ties, **extra), M)
         first_message = folded(record, M, FACTS)
         message = first_message.pack(rows=local.reshape(1, -1), problem=problem[:1], row=problem[1:],
                                      input=rejected[None], facts=facts[None], row_facts=row_facts[None])
@@ -476,6 +477,8 @@ class Sampler:
         nan_rows = first.max.isnan().any(0)
         codes = torch.where(nan_rows, 1, torch.where(best == NEG_INF, 2, 0))
         sampled = ~rows.greedy & (best < float("inf")) & (codes == 0)
+        if plan.sigma:  # top-n-sigma: a mask ahead of every other filter
+            x, first.values = sigma.applied(x, first.values, first.sigma.sum(0), best, rows)
         check = Check.of(got, self._countdown(device, M))
         choice = MaskedRows(raw, x, ids, real, tokens, sampled, codes, check, V)
         if c == 0:

@@ -38,8 +38,8 @@ FILTER_ORDERS = ("hf", "vllm")
 INT64_BOUND = 2**63
 
 ROW_FIELDS = {"temperature": torch.float64, "top_k": torch.int64, "top_p": torch.float64,
-              "min_p": torch.float64, "repetition_penalty": torch.float32, "presence_penalty": torch.float32,
-              "frequency_penalty": torch.float32, "seed": torch.int64}
+              "min_p": torch.float64, "top_n_sigma": torch.float64, "repetition_penalty": torch.float32,
+              "presence_penalty": torch.float32, "frequency_penalty": torch.float32, "seed": torch.int64}
 """The per-row fields of :class:`SamplingParams` and the dtype each resolves to."""
 ROW_CONSTRAINTS = ("bias_ids", "bias", "allowed")
 """The fields of :class:`Rows` that hold the resolved request constraints (``None`` when unused)."""
@@ -51,6 +51,7 @@ RULES: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str]] = {
     "top_k": (lambda k: k >= -1, "must be >= -1 (0 and -1 are off)"),
     "top_p": (lambda p: (p > 0) & (p <= 1), "must be in (0, 1]"),
     "min_p": (lambda p: (p >= 0) & (p <= 1), "must be in [0, 1]"),
+    "top_n_sigma": (lambda n: (n >= 0) & n.isfinite(), "must be finite and >= 0 (0 or None: off)"),
     "repetition_penalty": (lambda r: (r > 0) & r.isfinite(), "must be finite and > 0"),
     "presence_penalty": (torch.isfinite, "must be finite"),
     "frequency_penalty": (torch.isfinite, "must be finite"),
@@ -80,11 +81,12 @@ def _fresh_seed() -> int:
 class SamplingParams:
     r"""Per-row sampling parameters; a scalar applies to every row.
 
-    ``temperature`` 0 (or below :data:`GREEDY_BELOW`) is greedy; ``top_k`` 0 or -1, ``top_p`` 1
-    and ``min_p`` 0 are off; penalties 1 / 0 / 0 are off. ``logprobs``: ``None`` (no logprobs), the
-    number ``n >= 0`` of top logprobs to return with the chosen token's, or one such value per
-    row. ``logprobs_of`` (one of :data:`LOGPROBS_OF`) and ``filter_order`` (one of
-    :data:`FILTER_ORDERS`) are batch-wide.
+    ``temperature`` 0 (or below :data:`GREEDY_BELOW`) is greedy; ``top_k`` 0 or -1, ``top_p`` 1,
+    ``min_p`` 0 and ``top_n_sigma`` 0 or ``None`` (:mod:`vocabpar.sampling.sigma`) are off;
+    penalties 1 / 0 / 0 are off. ``logprobs``: ``None`` (no logprobs), the number ``n >= 0`` of
+    top logprobs to return with the chosen token's, or one such value per row. ``logprobs_of``
+    (one of :data:`LOGPROBS_OF`) and ``filter_order`` (one of :data:`FILTER_ORDERS`) are
+    batch-wide.
 
     ``seed``: a scalar seeds the batch -- row ``b`` samples with :func:`row_seeds`\ ``(seed)[b]``,
     so identical prompts give independent rows and the same call gives the same tokens again; a
@@ -103,6 +105,7 @@ class SamplingParams:
     top_k: Value = 0
     top_p: Value = 1.0
     min_p: Value = 0.0
+    top_n_sigma: Value | None = 0.0
     repetition_penalty: Value = 1.0
     presence_penalty: Value = 0.0
     frequency_penalty: Value = 0.0
@@ -120,6 +123,8 @@ class SamplingParams:
         line naming it, rather than inside the first ``sample`` call."""
         if self.seed is None:
             object.__setattr__(self, "seed", _fresh_seed())
+        if self.top_n_sigma is None:
+            object.__setattr__(self, "top_n_sigma", 0.0)
         for name, choices in (("filter_order", FILTER_ORDERS), ("logprobs_of", LOGPROBS_OF)):
             if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
                 raise ValueError(f"SamplingParams: {name} must be one of {choices}, "
@@ -213,6 +218,7 @@ class Rows:
     top_k: torch.Tensor  # int64
     top_p: torch.Tensor  # float64
     min_p: torch.Tensor  # float64
+    top_n_sigma: torch.Tensor  # float64, 0 = off
     repetition_penalty: torch.Tensor  # float32
     presence_penalty: torch.Tensor  # float32
     frequency_penalty: torch.Tensor  # float32

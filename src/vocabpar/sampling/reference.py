@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from vocabpar.sampling import sigma
 from vocabpar.sampling.params import (
     Rows,
     SamplingParams,
@@ -88,8 +89,12 @@ def _reference_on_device(full_logits, params, positions, token_counts, bitmask, 
 
 def kept_tokens(x: torch.Tensor, rows: Rows, b: int) -> torch.Tensor:
     """Bool ``[V]``: the tokens that row ``b`` of the processed logits ``x`` (``[V]``, finite max)
-    may sample after top-k, top-p and min-p, in the order ``rows.filter_order``."""
+    may sample after top-n-sigma, then top-k, top-p and min-p in the order ``rows.filter_order``."""
     V = x.numel()
+    # top-n-sigma: the whole row is one shard, the same exact sums (-inf: off)
+    summed = sigma.terms(x[None], torch.ones(V, dtype=torch.bool))
+    above = x >= sigma.floor(summed, x.max().double()[None], rows.top_n_sigma[b: b + 1])
+    x = torch.where(above, x, float("-inf"))
     z = x.double() / rows.temperature[b]
     zmax = z.max()
     k = int(rows.top_k[b])
@@ -102,7 +107,7 @@ def kept_tokens(x: torch.Tensor, rows: Rows, b: int) -> torch.Tensor:
         order = x.sort(descending=True, stable=True).indices
         first = int((q[order].cumsum(0) < target).sum())
         keep &= x >= x[order[first]]
-    return keep
+    return keep & above
 
 
 def _sample_row(x: torch.Tensor, keep: torch.Tensor, b: int, rows: Rows, positions: torch.Tensor) -> int:

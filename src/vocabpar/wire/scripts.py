@@ -122,11 +122,14 @@ class SamplePath:
     draw_rows: int = 0
     top_n: int | None = None
     checked: bool = False
+    sigma: bool = False
+    """Round one carries top-n-sigma's sums."""
 
 
 def sample_script(path: SamplePath) -> Script:
     """What a sampler call that took ``path`` sends, in order."""
-    script = (CHECK,) * path.checked + (Message("all_gather", round_one(path.candidates), path.rows),)
+    script = (CHECK,) * path.checked + (Message("all_gather", round_one(path.candidates, sigma=path.sigma),
+                                                path.rows),)
     if path.top_k is not None:
         script += path.top_k.script()
     if path.total_rows:
@@ -285,11 +288,14 @@ class EnginePlan:
     top_n: int | None = None
     drafts: bool = False
     search_bits: tuple[int, ...] = ENGINE_SEARCH_BITS
+    sigma: bool = False
+    """Round one carries top-n-sigma's sums (some sampled row asks it)."""
 
 
 def engine_plan(rows: int, ranks: int, widest: int, vocab: int, *, greedy: Sequence[bool],
                 top_k: Sequence[int], top_p: Sequence[float], min_p: Sequence[float],
-                top_n: int | None = None, search_bits: tuple[int, ...] = ENGINE_SEARCH_BITS) -> EnginePlan:
+                top_n: int | None = None, search_bits: tuple[int, ...] = ENGINE_SEARCH_BITS,
+                top_n_sigma: Sequence[float] = ()) -> EnginePlan:
     """The plan of an engine ``sample`` call padded to ``rows`` rows, from its rows' parameters
     alone (``widest``: the most real tokens one rank holds; ``top_k`` 0 is off). Candidates as
     the adaptive sampler sends; with some rank's tokens unsent, a top-k beyond the candidates
@@ -306,7 +312,8 @@ def engine_plan(rows: int, ranks: int, widest: int, vocab: int, *, greedy: Seque
     large_k = any(s and c < k < vocab for s, k in zip(sampled, top_k))
     top_p_alone = any(s and p < 1 and not 0 < k <= c for s, k, p in zip(sampled, top_k, top_p))
     return EnginePlan(rows, c, top_k_search=unsent and large_k, top_p_search=unsent and top_p_alone,
-                      draw=unsent, top_n=top_n, search_bits=search_bits)
+                      draw=unsent, top_n=top_n, search_bits=search_bits,
+                      sigma=any(s and n > 0 for s, n in zip(sampled, top_n_sigma)))
 
 
 def engine_search_script(rows: int, bits: tuple[int, ...] = ENGINE_SEARCH_BITS) -> Script:
@@ -318,7 +325,8 @@ def engine_sample_script(plan: EnginePlan) -> Script:
     """The fixed script of :meth:`vocabpar.sampling.engine.Sampler.sample` (and, with
     ``plan.drafts``, of ``verify``): the same collectives with the same sizes for any logits."""
     rows = plan.rows
-    script = (Message("all_gather", folded(round_one(plan.candidates, ties=True), rows, plan.facts), 1),)
+    first = round_one(plan.candidates, ties=True, sigma=plan.sigma)
+    script = (Message("all_gather", folded(first, rows, plan.facts), 1),)
     script += engine_search_script(rows, plan.search_bits) * (plan.top_k_search + plan.top_p_search)
     if plan.draw:
         script += (Message("all_gather", DRAW, rows),)
