@@ -146,7 +146,9 @@ class SamplingParams:
         """Broadcast to ``batch`` rows (a scalar seed becomes :func:`row_seeds`) and validate;
         raises ``ValueError`` naming row and field. ``output_lens``: the tokens each row has
         produced (needed by ``min_tokens``)."""
-        cols = {name: _column(name, getattr(self, name), dtype, batch) for name, dtype in ROW_FIELDS.items()}
+        cols = {name: _column(name, getattr(self, name), dtype, batch, checked=False)
+                for name, dtype in ROW_FIELDS.items()}
+        _check_rules(cols)
         cols["top_k"] = cols["top_k"].clamp(min=0)  # -1 is vLLM's "off", our 0
         device = torch.empty(0).device  # the current default device
         bias = bias_lists(self.logit_bias, batch, vocab_size)
@@ -317,9 +319,10 @@ class TokenCounts:
         return TokenCounts(f(self.ids), f(self.counts), None if self.in_prompt is None else f(self.in_prompt))
 
 
-def _column(name: str, value: Value, dtype: torch.dtype, batch: int) -> torch.Tensor:
+def _column(name: str, value: Value, dtype: torch.dtype, batch: int, checked: bool = True) -> torch.Tensor:
     """Field ``name`` as ``batch`` values of ``dtype`` on the current default device, checked
-    against :data:`RULES`; a scalar seed becomes the batch's :func:`row_seeds`."""
+    against :data:`RULES` (unless not ``checked``: :func:`_check_rules` then checks every field
+    at once); a scalar seed becomes the batch's :func:`row_seeds`."""
     kind = "real numbers" if dtype.is_floating_point else "integers in [-2**63, 2**63)"
     try:
         t = torch.as_tensor(value, dtype=torch.float64 if dtype.is_floating_point else None)
@@ -341,14 +344,21 @@ def _column(name: str, value: Value, dtype: torch.dtype, batch: int) -> torch.Te
             r = bad[0].item()
             raise ValueError(f"row {r}: {name} must be an integer in [-2**63, 2**63), got {t[r].item()}")
     t = t.to(dtype=dtype)
-    ok, rule = RULES[name]
-    bad = (~ok(t)).nonzero().flatten()
-    if bad.numel():
-        r = bad[0].item()
-        raise ValueError(f"row {r}: {name} {rule}, got {t[r].item()}")
+    if checked:
+        _check_rules({name: t})
     if name == "seed" and scalar:
         t = row_seeds(int(value), batch)
     return t.to(device=torch.empty(0).device)  # the current default device
+
+
+def _check_rules(cols: dict[str, torch.Tensor]) -> None:
+    """Raise ``ValueError`` naming the first field (in order) that breaks its :data:`RULES`
+    entry, and its first bad row: one host read for all the fields when none does."""
+    failing = torch.stack([(~RULES[name][0](t)).any() for name, t in cols.items()]).tolist()
+    for (name, t), bad in zip(cols.items(), failing):
+        if bad:
+            r = int((~RULES[name][0](t)).nonzero()[0, 0])
+            raise ValueError(f"row {r}: {name} {RULES[name][1]}, got {t[r].item()}")
 
 
 def stacked_rows(params: SamplingParams, batch: int, vocab_size: int, index: torch.Tensor,
