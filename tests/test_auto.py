@@ -19,7 +19,7 @@ def _switch(bandwidth: float) -> plan.Switch:
     return plan.Switch(latency=25e-6, bandwidth=bandwidth, launch=5e-6, sync=20e-6)
 
 
-GREEDY = _switch(3e8)  # greedy decode: gathering wins below 3 rows; verifying 2 drafts: below 2
+GREEDY = _switch(3.75e8)  # greedy decode: gathering wins below 3 rows; verifying 2 drafts: below 2
 SAMPLED = _switch(1e8)  # the demo's sampled step (top-k 200, top-p 0.95): below 3 rows
 
 

@@ -53,7 +53,6 @@ from vocabpar.sampling.params import (
     check_positions,
     check_row_counts,
     describe,
-    stacked_rows,
 )
 from vocabpar.sampling.ranks import group_ranks, param_words, params_fact, row_fingerprints
 from vocabpar.sampling.scoring import TokenLogprobs, local_scores, merged_scores
@@ -65,6 +64,7 @@ from vocabpar.sampling.semantics import (
     processed_logits,
     with_logprobs,
 )
+from vocabpar.sampling.stacked import stacked_rows
 from vocabpar.wire.records import INPUT_WORDS, folded, round_one, score
 from vocabpar.wire.scripts import ENGINE_FACTS as FACTS
 from vocabpar.wire.scripts import (

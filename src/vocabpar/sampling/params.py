@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from vocabpar.hashing import M32, fmix32
-from vocabpar.sampling.constraints import allowed_bits, bias_lists, check_output_lens, per_row, per_row_ids
+from vocabpar.sampling.constraints import allowed_bits, bias_lists, per_row, per_row_ids
 
 GREEDY_BELOW = 1e-5
 """A temperature below this is greedy decoding (vLLM's ``_SAMPLING_EPS``)."""
@@ -359,14 +359,6 @@ def _check_rules(cols: dict[str, torch.Tensor]) -> None:
         if bad:
             r = int((~RULES[name][0](t)).nonzero()[0, 0])
             raise ValueError(f"row {r}: {name} {RULES[name][1]}, got {t[r].item()}")
-
-
-def stacked_rows(params: SamplingParams, batch: int, vocab_size: int, index: torch.Tensor,
-                 offset: torch.Tensor, output_lens: torch.Tensor | None) -> Rows:
-    """The rows of ``params`` (resolved for ``batch`` rows) at ``index``, each ``offset`` tokens
-    further on: verification's stacked rows, whose ``min_tokens`` counts ``output_lens + offset``."""
-    lens = None if output_lens is None else check_output_lens(output_lens, batch)[index.cpu()] + offset.cpu()
-    return params.take(batch, vocab_size, index).resolve(index.numel(), vocab_size, lens)
 
 
 def check_row_counts(B: int, params: SamplingParams, token_counts: TokenCounts | None,

@@ -30,7 +30,6 @@ from vocabpar.sampling.params import (
     check_sample_inputs,
     check_verify_inputs,
     on_device,
-    stacked_rows,
 )
 from vocabpar.sampling.semantics import (
     NEG_INF,
@@ -50,6 +49,7 @@ from vocabpar.sampling.semantics import (
     top_p_target,
     with_logprobs,
 )
+from vocabpar.sampling.stacked import stacked_rows
 
 
 def reference_sample(full_logits: torch.Tensor, params: SamplingParams, *, positions: torch.Tensor,

@@ -45,7 +45,6 @@ from vocabpar.sampling.params import (
     check_positions,
     check_verify_inputs,
     on_device,
-    stacked_rows,
 )
 from vocabpar.sampling.ranks import Ranks, agreed, group_ranks, params_fact
 from vocabpar.sampling.semantics import (
@@ -55,6 +54,7 @@ from vocabpar.sampling.semantics import (
     accepts,
     merge_argmax,
 )
+from vocabpar.sampling.stacked import stacked_rows
 from vocabpar.wire.records import DRAW, MASSES
 from vocabpar.wire.scripts import VerifyPath, verify_script
 
