@@ -197,3 +197,29 @@ def test_a_row_left_without_tokens_is_reported():
     lens = torch.tensor([0, 0])
     with pytest.raises(ValueError, match=r"rows \[0\] have no allowed token"):
         reference_sample(torch.zeros(2, V), params, positions=torch.arange(2), output_lens=lens)
+
+
+def _disagreeing_ranks():
+    """Each rank passes a valid bias of its own: both samplers say the ranks disagree, naming it."""
+    layout = _layout("padded", comm.world_size())
+    params = SamplingParams(temperature=0, logit_bias={3: 1.0 + comm.rank()}, seed=[1])
+    local = _shard(torch.zeros(1, V), layout)
+    out = []
+    try:
+        sample(local, layout, params, positions=torch.arange(1), check=True)
+        out.append("no error")
+    except ValueError as e:
+        out.append(str(e))
+    sampler = Sampler(layout, max_rows=2)
+    try:
+        sampler.sample(local, sampler.prepare(params, positions=torch.arange(1))).to_host().raise_if_failed()
+        out.append("no error")
+    except ValueError as e:
+        out.append(str(e))
+    return out
+
+
+def test_ranks_that_disagree_on_a_constraint_are_told_which_on_every_rank():
+    for adaptive, engine in run(_disagreeing_ranks, 2, timeout=60):
+        assert "logit_bias" in adaptive, adaptive
+        assert "disagree" in engine or "differ" in engine, engine

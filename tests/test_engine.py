@@ -5,7 +5,6 @@ on every rank. One launch per world size runs every check; the main process comp
 
 import dataclasses
 import functools
-import math
 import re
 
 import pytest
@@ -16,6 +15,7 @@ from vocabpar.host_reads import counting
 from vocabpar.launch import run
 from vocabpar.plan.machine import link
 from vocabpar.sampling import Sampler, TokenCounts
+from vocabpar.sampling.constraints import pack_bits
 from vocabpar.sampling.scoring import TokenLogprobs
 from vocabpar.wire.scripts import (
     ENGINE_FACTS,
@@ -85,11 +85,7 @@ def _penalised(B: int) -> tuple[SamplingParams, TokenCounts, torch.Tensor]:
                             seed=list(range(B)))
     history = [torch.randint(0, V, (6,), generator=g).tolist() for _ in range(B)]
     counts = TokenCounts.from_history(history, [h[:2] for h in history])
-    allowed = torch.rand(B, V, generator=g) < 0.7
-    bits = torch.zeros(B, math.ceil(V / 32) * 32, dtype=torch.long)
-    bits[:, :V] = allowed.long()
-    packed = (bits.view(B, -1, 32) << torch.arange(32)).sum(-1)
-    return params, counts, torch.where(packed >= 2**31, packed - 2**32, packed).int()
+    return params, counts, pack_bits(torch.rand(B, V, generator=g) < 0.7)
 
 
 def _shard(full: torch.Tensor, layout: VocabLayout, junk: float = float("nan")) -> torch.Tensor:

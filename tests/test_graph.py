@@ -14,7 +14,10 @@ from vocabpar.kernels import fused
 V, B = 4096, 6
 PLANS = {"greedy": {}, "top-p search": {"temperature": 1.0, "top_p": 0.9},
          "certified": {"temperature": 0.8, "top_k": 50, "top_p": 0.95, "min_p": 0.05},
-         "greedy with logprobs": {"logprobs": 3}}
+         "greedy with logprobs": {"logprobs": 3},
+         "constraints": {"temperature": 1.0, "top_p": 0.9, "logit_bias": {5: 2.0, 9: -1.0},
+                         "allowed_token_ids": list(range(0, V, 3))},
+         "top-n-sigma": {"temperature": 1.0, "top_n_sigma": 1.0, "top_k": 20}}
 
 
 @pytest.fixture(scope="module")

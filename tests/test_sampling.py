@@ -12,6 +12,7 @@ import torch
 from vocabpar import SamplingParams, VocabLayout, comm, reference_sample, sample
 from vocabpar.launch import LaunchError, run
 from vocabpar.sampling import TokenCounts, search
+from vocabpar.sampling.constraints import pack_bits
 from vocabpar.sampling.noise import gumbel, row_keys
 from vocabpar.sampling.reference import kept_tokens
 from vocabpar.sampling.semantics import penalise
@@ -30,16 +31,6 @@ def _shard(full: torch.Tensor, layout: VocabLayout, rank: int, junk: float) -> t
     """This rank's columns; padding columns hold ``junk`` (they must never matter)."""
     ids = layout.local_token_ids(0 if layout.scheme == "replicated" else rank)
     return torch.where(ids >= 0, full[:, ids.clamp(min=0)], junk)
-
-
-def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
-    """xgrammar-format int32 words from a bool [B, V] mask (test helper)."""
-    B, V = allowed.shape
-    words = math.ceil(V / 32)
-    bits = torch.zeros(B, words * 32, dtype=torch.long)
-    bits[:, :V] = allowed.long()
-    packed = (bits.view(B, words, 32) << torch.arange(32)).sum(-1)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).int()
 
 
 def _order_rows() -> tuple[torch.Tensor, SamplingParams]:
@@ -159,7 +150,7 @@ def _cases() -> list[dict]:
         params=SamplingParams(
             temperature=[0, 1, 0.5, 1, 0.8, 0], top_p=[1, 0.9, 0.95, 1, 0.5, 1], logprobs=2
         ),
-        bitmask=_bitmask(allow),
+        bitmask=pack_bits(allow),
     )
     add(
         "tiny_vocab",
@@ -369,7 +360,7 @@ def _errors():
         ("temperature", full, SamplingParams(temperature=[1, -1, 1, 1]), None),
         ("top_k", full, SamplingParams(top_k=[0, 0, 0, 2.5]), None),
         ("nan", nan, SamplingParams(), None),
-        ("masked", full, SamplingParams(temperature=0), _bitmask(masked)),
+        ("masked", full, SamplingParams(temperature=0), pack_bits(masked)),
         ("ok", full, SamplingParams(temperature=0), None),
     ]
     out = {}

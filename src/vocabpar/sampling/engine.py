@@ -40,7 +40,7 @@ from vocabpar.layout import VocabLayout
 from vocabpar.plan.machine import link
 from vocabpar.sampling import sigma
 from vocabpar.sampling.candidates import shard_top
-from vocabpar.sampling.constraints import held_back
+from vocabpar.sampling.constraints import check_output_lens, held_back
 from vocabpar.sampling.failures import Check, Failures, Packed, rejected_input
 from vocabpar.sampling.fixed import DraftPairs, MaskedRows, padded
 from vocabpar.sampling.params import (
@@ -109,8 +109,8 @@ class Batch:
     """The plan of a ``verify`` call without and with draft logits, and its check word (below)."""
     verify_plan_words: tuple[int, int]
     held: tuple[SamplingParams, torch.Tensor] | None = None
-    """The parameters and ``output_lens`` of a batch holding back some row's stop ids
-    (``min_tokens``), which verification recomputes per draft position on the host."""
+    """The parameters and ``output_lens`` (on the host) of a batch holding back some row's stop
+    ids (``min_tokens``), which verification recomputes per draft position on the host."""
 
     @property
     def size(self) -> int:
@@ -205,14 +205,14 @@ class Sampler:
                  mask if mask is not None else 0]
         row_inputs = seen + [t for t in (rows.logprobs, mask) if t is not None]
         row_params, row_facts = self._row_facts(rows, pos, row_inputs)
-        # verify's stacked rows repeat the batch's plan, in messages of verify_rows rows; its
-        # check word is hashed here, on the host, so that a compiled verify needs no host code
+        # verify's stacked rows repeat the plan in verify_rows rows; its check word is hashed on the host
         verify_plans = tuple(replace(plan, rows=self.verify_rows, top_n=None, drafts=drafts)
                              for drafts in (False, True))
-        held = held_back(params.min_tokens, params.stop_token_ids, output_lens, B)
+        held = (params, check_output_lens(output_lens, B)) \
+            if held_back(params.min_tokens, params.stop_token_ids, output_lens, B) else None
         return Batch(rows, tuple(host.greedy.tolist()), host.top_n, pos, counts, mask, plan,
                      self._facts(facts, device), row_facts, row_params, verify_plans,
-                     tuple(_crc(repr(p)) for p in verify_plans), (params, output_lens) if held else None)
+                     tuple(_crc(repr(p)) for p in verify_plans), held)
 
     def _plan(self, host: Rows) -> EnginePlan:
         """The script of a ``sample`` call on these (host) parameters."""
