@@ -35,6 +35,7 @@ from vocabpar.sampling.noise import gumbel, gumbel_bucket, row_keys
 from vocabpar.sampling.semantics import (
     NEG_INF,
     accept_uniform,
+    kept,
     keyed_residual_scores,
     order_key,
     rank_key,
@@ -169,14 +170,6 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- the passes
-def _kept(x: torch.Tensor, lower: torch.Tensor, temperature: torch.Tensor,
-          min_z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``z = x / t`` (float64 ``[F, R]``) and whether each token is kept: ``x >= lower`` and
-    ``z >= min_z`` (``lower``, ``temperature``, ``min_z``: per row ``[F]``)."""
-    z = x.double() / temperature[:, None]
-    return z, (x >= lower[:, None]) & (z >= min_z[:, None])
-
-
 def _flags(mask: torch.Tensor) -> torch.Tensor:
     """A pass's ``[F, R]`` mask as int32 0/1, for ``nonzero``: Inductor's C++ writes a bool
     tensor about five times slower than an int32 one (a quarter of the bytes notwithstanding)."""
@@ -225,8 +218,8 @@ def _masses(x: torch.Tensor, lower: torch.Tensor, temperature: torch.Tensor, min
     """int64 ``[F, R]``: the exact mass of each token with ``x >= lower`` and ``z = x / t >=
     min_z``, 0 elsewhere. ``x``: float32 ``[F, R]``; ``scale``: ``mass_shift`` of the vocabulary;
     the rest float64 ``[F]``."""
-    z, kept = _kept(x, lower, temperature, min_z)
-    return torch.where(kept, scaled_mass(z, z_max[:, None], scale), 0)
+    z, keep = kept(x, lower, temperature, min_z)
+    return torch.where(keep, scaled_mass(z, z_max[:, None], scale), 0)
 
 
 masses = inlined(_masses)
@@ -248,10 +241,10 @@ def best_kept(x: torch.Tensor, ids: torch.Tensor, lower: torch.Tensor, temperatu
     ``x``: float32 ``[F, R]`` with ``ids`` ``[R]`` (a shard), or float64 with ids per entry
     ``[F, R]`` (merged candidates); -1: padding, never kept; ``keys``: ``[F, 2]``; the rest
     float64 ``[F]``."""
-    z, kept = _kept(x, lower, temperature, min_z)
-    kept = kept & (ids >= 0)
-    score = torch.where(kept, z + gumbel(keys[:, None, :], ids.clamp(min=0)), NEG_INF)
-    return _first_max(score, torch.where(kept, ids, -1))
+    z, keep = kept(x, lower, temperature, min_z)
+    keep = keep & (ids >= 0)
+    score = torch.where(keep, z + gumbel(keys[:, None, :], ids.clamp(min=0)), NEG_INF)
+    return _first_max(score, torch.where(keep, ids, -1))
 
 
 def _first_max(score: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,9 +291,9 @@ def reachable(x: torch.Tensor, ids: torch.Tensor, lower: torch.Tensor, temperatu
     their uniform) lets ``z + G`` reach ``floor``. The bound is conservative: no possible winner
     is dropped. ``x``: float32 ``[F, R]``; ``ids``: ``[R]``; ``key``: each row's first noise key
     ``[F]``; the rest float64 ``[F]``."""
-    z, kept = _kept(x, lower, temperature, min_z)
+    z, keep = kept(x, lower, temperature, min_z)
     noise_bound = bound[gumbel_bucket(key[:, None], ids.clamp(min=0))]
-    return _flags(kept & (ids >= 0) & (z + noise_bound >= floor[:, None]))
+    return _flags(keep & (ids >= 0) & (z + noise_bound >= floor[:, None]))
 
 
 residual_pass = Fused(keyed_residual_scores)
@@ -338,8 +331,8 @@ def _residual_keys(seed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 sample_keys = Fused(_sample_keys, options=KEY_OPTIONS)
 residual_keys = Fused(_residual_keys, options=KEY_OPTIONS)
 accept_uniforms = Fused(accept_uniform, options=KEY_OPTIONS)
-""":func:`~vocabpar.sampling.semantics.accept_uniform` as one pass (seeds and positions of any
-one shape)."""
+""":func:`~vocabpar.sampling.semantics.accept_uniform` as one pass (seeds and positions ``[P]``,
+one per (row, draft position))."""
 
 
 def _digits(keys: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor | int, bits: torch.Tensor | int,
@@ -400,8 +393,8 @@ def logit_histogram(x: torch.Tensor, ids: torch.Tensor, lower: torch.Tensor, tem
     ``x``: float32 ``[F, R]``; ``ids``: ``[R]`` (-1: padding, weight 0); ``prefix`` and the
     rest per row ``[F]``; ``narrow``: :func:`int32_sums` of the weights."""
     keys = _shard_keys(x, ids >= 0)
-    z, kept = _kept(x, lower, temperature, min_z)
-    weight = torch.where(kept & (ids >= 0), 1 if unit else scaled_mass(z, z_max[:, None], scale), 0)
+    z, keep = kept(x, lower, temperature, min_z)
+    weight = torch.where(keep & (ids >= 0), 1 if unit else scaled_mass(z, z_max[:, None], scale), 0)
     column, added, _ = _digits(keys, weight, shift, bits, prefix[:, None], top)
     return _bins(column, added, top, narrow)
 

@@ -47,10 +47,17 @@ from dataclasses import dataclass, replace
 import torch
 
 from vocabpar import comm
-from vocabpar.kernels.fused import mass_totals, masses, sample_keys, scored
+from vocabpar.kernels.fused import mass_totals, masses, scored
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling import sigma
-from vocabpar.sampling.candidates import RoundOne, candidates_per_rank, gather_round_one, unsent_mass
+from vocabpar.sampling.candidates import (
+    RoundOne,
+    candidates_per_rank,
+    gather_round_one,
+    merged_max,
+    unsent_mass,
+)
+from vocabpar.sampling.merged import merge_candidates
 from vocabpar.sampling.params import Rows, SamplingParams, TokenCounts, check_sample_inputs, on_device
 from vocabpar.sampling.ranks import Ranks, agreed, group_ranks, params_fact
 from vocabpar.sampling.scoring import token_logprobs
@@ -61,12 +68,11 @@ from vocabpar.sampling.semantics import (
     SampleOutput,
     check_rows,
     drawn_logits,
+    kept,
     key_value,
     mass_bits,
     mass_shift,
     merge_argmax,
-    min_p_threshold,
-    order_key,
     processed_logits,
     row_argmax,
     top_p_target,
@@ -147,8 +153,8 @@ def _sample_on_device(local_logits, layout, params, positions, group, token_coun
         return SampleOutput(tokens, script=sample_script(path))
     source = local_logits
     if rows.logprobs_of == "processed":
-        source = choice.x if step is None else drawn_logits(choice.x, step.temperature, step.kept(choice.thr),
-                                                             choice.sampled)
+        source = choice.x if step is None else \
+            drawn_logits(choice.x, step.m.temperature, step.kept(choice.thr), choice.sampled)
     # the ranks agreed on every input above: no second check
     scores = token_logprobs(source, layout, tokens, top_n=rows.top_n, group=group, check=False)
     out = with_logprobs(tokens, rows.logprobs, scores.logprobs, scores.ranks, scores.top_ids,
@@ -184,8 +190,7 @@ def choose(raw: torch.Tensor, layout: VocabLayout, ranks: Ranks, rows: Rows, pos
     c = candidates_per_rank(rows, V, ranks)
     with_sigma = c > 0 and bool(((rows.top_n_sigma > 0) & ~rows.greedy).any())
     first = gather_round_one(raw, x, ids, c, ranks, sigma.terms(x, ids >= 0) if with_sigma else None)
-    best, tokens = merge_argmax(torch.where(first.max.isnan(), NEG_INF, first.max), first.max_id)
-    nan_rows = first.max.isnan().any(0)
+    best, tokens, nan_rows = merged_max(first.max, first.max_id)
     check_rows(nan_rows, (best == NEG_INF) & ~nan_rows, row_name)
     sampled = ~rows.greedy & (best < float("inf"))
     if with_sigma:  # top-n-sigma: a mask ahead of every other filter
@@ -223,21 +228,9 @@ class SampledRows:
     best: torch.Tensor
 
     def __post_init__(self) -> None:
-        B, n, c = self.x.shape[0], self.first.cand.shape[0], self.c
-        self.temperature = torch.where(self.sampled, self.rows.temperature, 1.0)  # [B] float64
-        self.z_max = self.best / self.temperature
-        self.min_z = min_p_threshold(self.z_max, self.rows.min_p)  # kept tokens have z >= min_z
-        self.noise_keys = sample_keys(self.rows.seed, self.positions)
-        self.cand = self.first.cand.permute(1, 0, 2).reshape(B, n * c)  # [B, n·c]
-        self.cand_id = self.first.cand_id.permute(1, 0, 2).reshape(B, n * c)
-        self.cand_z = self.cand / self.temperature[:, None]
-        self.valid = self.cand_id >= 0
-        unsent = torch.tensor([c < k for k in self.ranks.real_counts])
-        # the highest value some rank holds but did not send
-        self.unsent_max = torch.where(unsent[:, None], self.first.cand[:, :, c - 1], NEG_INF).max(0).values
-        self.nothing_unsent = self.unsent_max == NEG_INF  # unsent tokens (if any) are -inf: never kept
-        self.key_sorted, self.key_order = torch.where(self.valid, order_key(self.cand.float()), PAD_KEY).sort(
-            1, descending=True)
+        B, self.m = self.x.shape[0], merge_candidates(self.first.cand, self.first.cand_id, self.rows,
+                                                      self.positions, self.sampled, self.best,
+                                                      self.ranks.real_counts, self.V)
         self.drawn = torch.full((B,), -1, dtype=torch.long)  # tokens a threshold search drew
         self.top_k_search: Search | None = None
         self.top_p_search: Search | None = None
@@ -250,30 +243,26 @@ class SampledRows:
 
     def kept(self, thr: torch.Tensor) -> torch.Tensor:
         """Bool ``[B, columns]``: this shard's tokens each row keeps (``x >= thr``, ``z >= min_z``)."""
-        return (self.x >= thr[:, None]) & (self.x.double() / self.temperature[:, None] >= self.min_z[:, None])
+        return kept(self.x, thr, self.m.temperature, self.m.min_z)[1]
 
     def draw_for(self, search: torch.Tensor) -> Draw:
-        return Draw(self.rows_of(search), self.ids, self.temperature[search], self.min_z[search],
-                    self.noise_keys[search], self.cand[search], self.cand_id[search], self.cand_z[search])
+        return Draw(self.rows_of(search), self.ids, self.m.take(search))
 
     def top_k_threshold(self) -> torch.Tensor:
         """``kappa`` per row (-inf without top-k): the k-th largest value. Exact from the
         candidates when k <= c; else a threshold search (2–4 collectives) between the candidates'
         k-th value and ``unsent_max``, which also draws the rows that have no top-p."""
-        B, k, n = self.x.shape[0], self.rows.top_k, self.cand.shape[1]
-        kappa = torch.full((B,), NEG_INF)
+        m, k, n = self.m, self.rows.top_k, self.m.cand.shape[1]
         topk = self.sampled & (k > 0) & (k < self.V)
         exact = topk & (k <= self.c)
-        if exact.any():  # a padding entry at position k means the k-th largest value is -inf
-            kth = self.key_sorted[exact, k[exact] - 1]
-            kappa[exact] = torch.where(kth == PAD_KEY, NEG_INF, key_value(kth))
+        kappa = torch.where(exact, m.kth_value(k), NEG_INF)
         search = (topk & ~exact).nonzero().flatten()
         if search.numel():
             # at least the merged candidates' k-th; at most unsent_max, since fewer than k
             # candidates lie above it (else the candidates would be exact)
-            kth = self.key_sorted[search, (k[search] - 1).clamp(max=n - 1)]
+            kth = m.key_sorted[search, (k[search] - 1).clamp(max=n - 1)]
             lo = torch.where((k[search] <= n) & (kth != PAD_KEY), kth + 2**31, 0)
-            hi = value_key(torch.where(self.nothing_unsent, self.best, self.unsent_max)[search])
+            hi = value_key(torch.where(m.nothing_unsent, self.best, m.unsent_max)[search])
             draw = None if (self.rows.top_p[search] < 1).any() else self.draw_for(search)
             v, self.drawn[search], self.top_k_search = threshold_search(
                 self.rows_of(search), self.ids >= 0, None, k[search], lo, hi, self.ranks, draw)
@@ -286,17 +275,17 @@ class SampledRows:
         per row does (or the search's first round, where the candidates are unlikely to reach the
         target); they give tau when their cumulative mass reaches the target above
         ``unsent_max``; else a threshold search (2–4 collectives), which also draws the row."""
-        B, V, order = self.x.shape[0], self.V, self.rows.filter_order
-        t, z_max, min_z, unsent_max = self.temperature, self.z_max, self.min_z, self.unsent_max
-        cand = self.cand
+        B, V, order, m = self.x.shape[0], self.V, self.rows.filter_order, self.m
+        t, z_max, min_z, unsent_max = m.temperature, m.z_max, m.min_z, m.unsent_max
+        cand = m.cand
         tau = torch.full((B,), NEG_INF)
         topp = self.sampled & (self.rows.top_p < 1)
         if not topp.any():
             return tau
         # padding: -inf, mass 0
-        cand_mass = masses(cand, kappa.double(), t, self.pool_min_z, z_max, mass_shift(V))
+        cand_mass = masses(cand, *m.mass_terms(slice(None), kappa, self.pool_min_z))
         total = cand_mass.sum(1)
-        complete = self.nothing_unsent | (kappa > unsent_max)  # unsent tokens are <= unsent_max
+        complete = m.nothing_unsent | (kappa > unsent_max)  # unsent tokens are <= unsent_max
         if order == "vllm":  # no unsent token passes min-p
             complete |= unsent_max / t < min_z
         # rows whose candidates above unsent_max would fall short of the target even against
@@ -311,21 +300,20 @@ class SampledRows:
         fold = incomplete if bool(short.any()) else short
         missing = (incomplete & ~fold).nonzero().flatten()
         if missing.numel():
-            local = mass_totals(*self._mass_inputs(missing, kappa, self.pool_min_z))
+            local = mass_totals(self.rows_of(missing), *m.mass_terms(missing, kappa, self.pool_min_z))
             total[missing] = TOTAL.unpack(self.ranks.sum(TOTAL.pack(mass=local))).mass
             self.total_rows = missing.numel()
         target = top_p_target(total, self.rows.top_p)
-        first = (cand_mass.gather(1, self.key_order).cumsum(1) < target[:, None]).sum(1)
+        first, tau_c = m.top_p_cut(cand_mass, target)
         found = ~fold & (first < cand.shape[1])
-        tau_c = key_value(self.key_sorted.gather(1, first.clamp(max=cand.shape[1] - 1)[:, None])[:, 0])
         # tau_c > unsent_max: every token above it was sent. A complete pool needs no extra case:
         # tau_c is in the pool, so tau_c >= kappa, and with "vllm" tau_c / t >= min_z; either way
         # tau_c > unsent_max.
-        certified = topp & found & ((tau_c > unsent_max) | self.nothing_unsent)
+        certified = topp & found & ((tau_c > unsent_max) | m.nothing_unsent)
         tau[certified] = tau_c[certified]
         search = (topp & ~certified).nonzero().flatten()
         if search.numel():
-            q = masses(*self._mass_inputs(search, kappa, self.pool_min_z))
+            q = masses(self.rows_of(search), *m.mass_terms(search, kappa, self.pool_min_z))
             # at least tau_c when the candidates reach the target, else at least the value below
             # which masses are 0; at most unsent_max (the candidates above it fall short)
             floor_x = t * (z_max - mass_shift(V) * math.log(2) - 1)
@@ -341,12 +329,12 @@ class SampledRows:
     @property
     def pool_min_z(self) -> torch.Tensor:
         """The min-p bound of the top-p pool: ``min_z`` with ``filter_order="vllm"``, else -inf."""
-        return self.min_z if self.rows.filter_order == "vllm" else torch.full_like(self.min_z, NEG_INF)
+        return self.m.min_z if self.rows.filter_order == "vllm" else torch.full_like(self.m.min_z, NEG_INF)
 
     def kept_mass(self, sel: torch.Tensor, thr: torch.Tensor) -> torch.Tensor:
         """Integer masses ``[len(sel), columns]`` of this shard's tokens of rows ``sel`` that the
         rows keep, 0 elsewhere: the rows' final distribution, unnormalised."""
-        return masses(*self._mass_inputs(sel, thr, self.min_z))
+        return masses(self.rows_of(sel), *self.m.mass_terms(sel, thr))
 
     def kept_total_and_at(self, sel: torch.Tensor, thr: torch.Tensor,
                           cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -356,7 +344,7 @@ class SampledRows:
         candidates sums the candidates this rank sent (the same integers); the others read the
         shard, ``MASS_BLOCK`` logits at a time (eager, the pass's float64 temporaries are that
         large). One host read."""
-        lower, t, min_z, z_max, scale = terms = self._row_terms(sel, thr, self.min_z)
+        lower, t, min_z, z_max, scale = terms = self.m.mass_terms(sel, thr)
         at = masses(self.x[sel, cols][:, None], *terms)[:, 0]
         sent = self.all_sent(thr)[sel]
         count = int(sent.sum())
@@ -367,47 +355,34 @@ class SampledRows:
         total[head] = masses(mine, lower[head], t[head], min_z[head], z_max[head], scale).sum(1)
         block = max(1, MASS_BLOCK // max(self.x.shape[1], 1))
         for part in tail.split(block):
-            total[part] = mass_totals(*self._mass_inputs(sel[part], thr, self.min_z))
+            total[part] = mass_totals(self.rows_of(sel[part]), *self.m.mass_terms(sel[part], thr))
         return total, at
 
     def all_sent(self, thr: torch.Tensor) -> torch.Tensor:
         """Bool ``[B]``: rows whose kept tokens (``x >= thr``, ``z >= min_z``) all lie in round
         one's candidates: nothing unsent, every unsent token below ``thr``, or every unsent
         token below min-p."""
-        unsent_max = self.unsent_max
-        return self.nothing_unsent | (thr > unsent_max) | (unsent_max / self.temperature < self.min_z)
-
-    def _mass_inputs(self, sel: torch.Tensor, lower: torch.Tensor, min_z: torch.Tensor) -> tuple:
-        """The :func:`~vocabpar.kernels.fused.masses` arguments of rows ``sel`` (sorted,
-        distinct) counting ``x >= lower`` and ``z >= min_z`` (both ``[B]``)."""
-        return self.rows_of(sel), *self._row_terms(sel, lower, min_z)
-
-    def _row_terms(self, sel: torch.Tensor, lower: torch.Tensor, min_z: torch.Tensor) -> tuple:
-        """:meth:`_mass_inputs` but the logits: the rows' bounds, temperature, ``z_max`` and the
-        masses' ``mass_shift``."""
-        return lower[sel].double(), self.temperature[sel], min_z[sel], self.z_max[sel], mass_shift(self.V)
+        m = self.m
+        return m.nothing_unsent | (thr > m.unsent_max) | (m.unsent_max / m.temperature < m.min_z)
 
     def draw(self, tokens: torch.Tensor, thr: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
         """Gumbel-max over the kept tokens (``x >= thr``, ``z >= min_z``) of the ``wanted`` rows
         (the other sampled rows get -1): rows a search drew keep its token; rows whose kept tokens
         are all candidates are drawn locally; the rest take one all-gather of
         :data:`~vocabpar.wire.records.DRAW`, each rank's best (score, id)."""
-        B, min_z, t = self.x.shape[0], self.min_z, self.temperature
+        B, m = self.x.shape[0], self.m
         drawn = wanted & (self.drawn >= 0)
         local = wanted & ~drawn & self.all_sent(thr)
         tokens = torch.where(drawn, self.drawn, torch.where(self.sampled & ~wanted, -1, tokens))
         # the kept candidates' best score: exact where `local`, a lower bound on the winner elsewhere
-        keep = self.valid & wanted[:, None] & (self.cand >= thr[:, None]) & (self.cand_z >= min_z[:, None])
-        b, j = keep.nonzero(as_tuple=True)
-        ids = self.cand_id[b, j]
-        floor_score, arg = row_argmax(b, ids, scored(self.cand_z[b, j], self.noise_keys[b], ids), B)
+        floor_score, arg = m.best_candidate(thr, wanted)
         tokens[local] = arg[local]
         spread = (wanted & ~local & ~drawn).nonzero().flatten()
         if spread.numel():
-            r, col, z = contenders(self.rows_of(spread), self.ids, thr[spread], t[spread], min_z[spread],
-                                   floor_score[spread], self.noise_keys[spread])
+            r, col, z = contenders(self.rows_of(spread), self.ids, thr[spread], m.temperature[spread],
+                                   m.min_z[spread], floor_score[spread], m.keys[spread])
             rows, ids = spread[r], self.ids[col]
-            score, arg = row_argmax(rows, ids, scored(z, self.noise_keys[rows], ids), B)
+            score, arg = row_argmax(rows, ids, scored(z, m.keys[rows], ids), B)
             got = DRAW.unpack(self.ranks.gather(DRAW.pack(score=score[spread], id=arg[spread])))
             _, tokens[spread] = merge_argmax(got.score, got.id)
             self.draw_rows = spread.numel()

@@ -15,7 +15,7 @@ import torch
 from vocabpar.kernels.fused import nan_and_ties
 from vocabpar.sampling.params import Rows
 from vocabpar.sampling.ranks import Ranks
-from vocabpar.sampling.semantics import NEG_INF, mass_shift
+from vocabpar.sampling.semantics import NEG_INF, mass_shift, merge_argmax
 from vocabpar.wire.records import round_one
 from vocabpar.wire.scripts import MAX_CANDIDATES, candidate_count
 
@@ -58,27 +58,43 @@ def shard_top(x: torch.Tensor, ids: torch.Tensor, c: int) -> tuple[torch.Tensor,
     return vals, cid
 
 
-def gather_round_one(raw: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, c: int, ranks: Ranks,
-                     sigma: torch.Tensor | None = None) -> RoundOne:
-    """One all-gather of :func:`vocabpar.wire.records.round_one`: per row, the shard's (max,
-    lowest id) with NaN folded into the max, then its top-``c`` candidates, and ``sigma``
-    (top-n-sigma's sums ``[B, 5]``) when given. ``raw``, ``x``: ``[B, columns]`` (raw and
-    processed logits); ``ids``: ``[columns]``."""
+def round_one_fields(raw: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, c: int, *, ties: bool = False,
+                     sigma: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """This shard's part of :func:`vocabpar.wire.records.round_one`, per row: its (max, lowest
+    id) with a NaN of ``raw`` folded into the max, its top-``c`` candidates, with ``ties`` how
+    many real tokens equal the c-th (where the cut may split a tied group; 0 where the shard
+    sends them all), and ``sigma`` (top-n-sigma's sums ``[B, 5]``) when given. ``raw``, ``x``:
+    ``[B, columns]`` (raw and processed logits); ``ids``: ``[columns]``."""
     B, R = x.shape
     if R:
         xmax, col = x.max(1)  # first maximum: storage order is id order
         xmax_id = ids[col]
     else:
-        xmax, xmax_id = torch.full((B,), NEG_INF), torch.full((B,), -1)
-    # the max holds a NaN of the shard unless processing (padding, penalties, a bitmask) replaced it
-    has_nan = xmax.isnan() if x is raw else nan_and_ties(raw, x, ids >= 0, None)[0]
+        xmax = torch.full((B,), NEG_INF, device=x.device)
+        xmax_id = torch.full((B,), -1, device=x.device)
     # one candidate is the max itself: no second pass over the shard
     cand, cand_id = (xmax.double()[:, None], xmax_id[:, None]) if c == 1 else shard_top(x, ids, c)
+    cut = cand[:, c - 1] if ties and 0 < c <= R else None
+    # the max holds a NaN of the shard unless processing (padding, penalties, a bitmask) replaced it
+    has_nan, tied = (xmax.isnan(), None) if x is raw and not ties else nan_and_ties(raw, x, ids >= 0, cut)
+    fields = {"max": torch.where(has_nan, float("nan"), xmax.double()), "max_id": xmax_id, "values": cand,
+              "ids": cand_id}
+    return fields | ({"ties": tied} if ties else {}) | ({} if sigma is None else {"sigma": sigma})
+
+
+def gather_round_one(raw: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, c: int, ranks: Ranks,
+                     sigma: torch.Tensor | None = None) -> RoundOne:
+    """One all-gather of :func:`vocabpar.wire.records.round_one` (:func:`round_one_fields`)."""
     record = round_one(c, sigma=sigma is not None)
-    parts = {} if sigma is None else {"sigma": sigma}
-    got = record.unpack(ranks.gather(record.pack(max=torch.where(has_nan, float("nan"), xmax.double()),
-                                                 max_id=xmax_id, values=cand, ids=cand_id, **parts)))
+    got = record.unpack(ranks.gather(record.pack(**round_one_fields(raw, x, ids, c, sigma=sigma))))
     return RoundOne(got.max, got.max_id, got.values, got.ids, None if sigma is None else got.sigma)
+
+
+def merged_max(maxima: torch.Tensor, max_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each row's max over the ranks' ``[n, B]`` (max, lowest id) and its lowest id -- the greedy
+    token -- ignoring NaN, and which rows hold a NaN on some rank."""
+    best, token = merge_argmax(torch.where(maxima.isnan(), NEG_INF, maxima), max_ids)
+    return best, token, maxima.isnan().any(0)
 
 
 def unsent_mass(first: RoundOne, t: torch.Tensor, z_max: torch.Tensor, ranks: Ranks, V: int) -> torch.Tensor:

@@ -35,11 +35,11 @@ import torch
 
 from vocabpar import comm
 from vocabpar.hashing import MASK62, fingerprint
-from vocabpar.kernels.fused import nan_and_ties
 from vocabpar.layout import VocabLayout
 from vocabpar.plan.machine import link
 from vocabpar.sampling import sigma
-from vocabpar.sampling.candidates import shard_top
+from vocabpar.sampling.acceptance import emitted
+from vocabpar.sampling.candidates import merged_max, round_one_fields
 from vocabpar.sampling.constraints import check_output_lens, held_back
 from vocabpar.sampling.failures import Check, Failures, Packed, rejected_input
 from vocabpar.sampling.fixed import DraftPairs, MaskedRows, padded
@@ -60,11 +60,10 @@ from vocabpar.sampling.semantics import (
     NEG_INF,
     SampleOutput,
     VerifyOutput,
-    merge_argmax,
     processed_logits,
     with_logprobs,
 )
-from vocabpar.sampling.stacked import stacked_rows
+from vocabpar.sampling.stacked import stacked_index, stacked_rows
 from vocabpar.wire.records import INPUT_WORDS, folded, round_one, score
 from vocabpar.wire.scripts import ENGINE_FACTS as FACTS
 from vocabpar.wire.scripts import (
@@ -302,8 +301,7 @@ class Sampler:
         stacked = B * (k + 1) + len(drafted) * k
         if stacked > self.verify_rows:
             raise ValueError(self._too_many_rows(B, k, draft_logits is not None, len(drafted), stacked))
-        index = [b for b in range(B) for _ in range(k + 1)] + [b for b in drafted for _ in range(k)]
-        offset = [i for _ in range(B) for i in range(k + 1)] + [i for _ in drafted for i in range(k)]
+        index, offset = stacked_index(B, k, drafted)
         at = torch.tensor(index, dtype=torch.long, device=device)
         given = [(target_logits, (B, k + 1, R), 5)] + [(draft_logits, (B, k, R), 6)] * bool(drafted)
         logits, problem, rejected = self._inputs(device, *given)
@@ -344,10 +342,7 @@ class Sampler:
         codes = torch.zeros(B, dtype=torch.long, device=device).scatter_reduce(0, at, choice.codes, "amax")
         failed = (codes != 0) | choice.check.failed()
         accepted = torch.where(failed, 0, accepted)
-        keep = torch.arange(k + 1, device=device) < accepted[:, None]
-        tokens = torch.where(keep[:, :k], drafts, -1)
-        tokens = torch.cat([tokens, torch.full((B, 1), -1, dtype=torch.long, device=device)], 1)
-        tokens.scatter_(1, accepted[:, None], torch.where(failed, -1, last)[:, None])
+        tokens = emitted(drafts, accepted, torch.where(failed, -1, last))
         views, failures, packed = self._pack("Sampler.verify", {"accepted": accepted, "tokens": tokens},
                                              codes, choice.check, SAMPLE_FACTS)
         return VerifyOutput(**views, script=engine_sample_script(plan), failures=failures, packed=packed)
@@ -454,27 +449,15 @@ class Sampler:
                              bitmask, padded=self.padded)
         c = plan.candidates
         # 1. round one, with the check folded in
-        if x.shape[1]:
-            xmax, col = x.max(1)  # first maximum: storage order is id order
-            xmax_id = ids[col]
-        else:
-            xmax = torch.full((B,), NEG_INF, device=device)
-            xmax_id = torch.full((B,), -1, device=device)
-        cand, cand_id = shard_top(x, ids, c)
-        # the c-th value, where the cut may split a tied group; none where the shard sends it all
-        cut = cand[:, c - 1] if 0 < c <= x.shape[1] else None
-        has_nan, ties = nan_and_ties(raw, x, real, cut)
         record = round_one(c, ties=True, sigma=plan.sigma)
-        extra = {"sigma": sigma.terms(x, real)} if plan.sigma else {}
-        local = padded(record.pack(max=torch.where(has_nan, float("nan"), xmax.double()), max_id=xmax_id,
-                                    values=cand, ids=cand_id, ties=ties, **extra), M)
+        terms = sigma.terms(x, real) if plan.sigma else None
+        local = padded(record.pack(**round_one_fields(raw, x, ids, c, ties=True, sigma=terms)), M)
         first_message = folded(record, M, FACTS)
         message = first_message.pack(rows=local.reshape(1, -1), problem=problem[:1], row=problem[1:],
                                      input=rejected[None], facts=facts[None], row_facts=row_facts[None])
         got = first_message.unpack(self.ranks.gather(message)[:, 0])
         first = record.unpack(got.rows.view(n, M, -1)[:, :B])
-        best, tokens = merge_argmax(torch.where(first.max.isnan(), NEG_INF, first.max), first.max_id)
-        nan_rows = first.max.isnan().any(0)
+        best, tokens, nan_rows = merged_max(first.max, first.max_id)
         codes = torch.where(nan_rows, 1, torch.where(best == NEG_INF, 2, 0))
         sampled = ~rows.greedy & (best < float("inf")) & (codes == 0)
         if plan.sigma:  # top-n-sigma: a mask ahead of every other filter

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from vocabpar.kernels.fused import digits, histogram, int32_sums, members, order_keys, reachable, scored
+from vocabpar.sampling.merged import Merged
 from vocabpar.sampling.noise import gumbel_bound
 from vocabpar.sampling.ranks import Ranks
 from vocabpar.sampling.semantics import NEG_INF, key_value, merge_argmax, row_argmax, threshold_digit
@@ -56,17 +57,11 @@ def contenders(x: torch.Tensor, ids: torch.Tensor, thr: torch.Tensor, temperatur
 class Draw:
     """What a threshold search needs to draw the token of rows whose kept set is ``key >= v``
     and ``z >= min_z`` (``v`` the threshold it finds): their logits ``x`` ``[F, columns]``, the
-    columns' ``ids``, temperature, min-p bound and noise keys per row ``[F]``, and the merged
-    candidates ``[F, n·c]`` (values, ids, float64 z)."""
+    columns' ``ids``, and the rows' merged candidates and terms (:class:`Merged`)."""
 
     x: torch.Tensor
     ids: torch.Tensor
-    temperature: torch.Tensor
-    min_z: torch.Tensor
-    keys: torch.Tensor
-    cand: torch.Tensor
-    cand_id: torch.Tensor
-    cand_z: torch.Tensor
+    merged: Merged
 
     def certain_best(self, top_key: torch.Tensor,
                      listed: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,27 +75,25 @@ class Draw:
 
     def _contenders(self, top_key: torch.Tensor, listed: tuple[torch.Tensor, ...] | None) -> tuple:
         """Row, column, id and score ``[N]`` of tokens among which :meth:`certain_best` lies."""
-        F = top_key.shape[0]
         if listed is not None:
             r, col, key = listed
             up = key >= top_key[r]
             r, col = r[up], col[up]
             score = self.score(r, col)
             return r, col, torch.where(score > NEG_INF, self.ids[col], -1), score
+        m = self.merged
         top_value = key_value(top_key.clamp(max=2**32 - 1) - 2**31).double()
         thr = torch.where(top_key < 2**32, top_value, float("inf"))
-        sure = (self.cand_id >= 0) & (self.cand >= thr[:, None]) & (self.cand_z >= self.min_z[:, None])
-        b, j = sure.nonzero(as_tuple=True)
-        sure_ids = self.cand_id[b, j]
-        floor, _ = row_argmax(b, sure_ids, scored(self.cand_z[b, j], self.keys[b], sure_ids), F)
-        r, col, z = contenders(self.x, self.ids, thr, self.temperature, self.min_z, floor, self.keys)
+        floor, _ = m.best_candidate(thr)
+        r, col, z = contenders(self.x, self.ids, thr, m.temperature, m.min_z, floor, m.keys)
         ids = self.ids[col]
-        return r, col, ids, scored(z, self.keys[r], ids)
+        return r, col, ids, scored(z, m.keys[r], ids)
 
     def score(self, r: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
         """``z + G`` of the listed tokens, -inf where min-p drops them."""
-        z = self.x[r, col].double() / self.temperature[r]
-        return torch.where(z >= self.min_z[r], scored(z, self.keys[r], self.ids[col]), NEG_INF)
+        m = self.merged
+        z = self.x[r, col].double() / m.temperature[r]
+        return torch.where(z >= m.min_z[r], scored(z, m.keys[r], self.ids[col]), NEG_INF)
 
 
 def threshold_search(x: torch.Tensor, real: torch.Tensor, weight: torch.Tensor | None,

@@ -244,6 +244,15 @@ def threshold_digit(digits: torch.Tensor, above: torch.Tensor,
     return ((above[:, None] + suffix) >= need[:, None]).sum(1).clamp(min=1) - 1, suffix
 
 
+def kept(x: torch.Tensor, lower: torch.Tensor, temperature: torch.Tensor,
+         min_z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``z = x / t`` (float64 ``[F, R]``) and which tokens a row keeps (bool ``[F, R]``): ``x >=
+    lower`` and ``z >= min_z``, the bounds per row ``[F]``. Every filter's threshold ends in
+    this rule."""
+    z = x.double() / temperature[:, None]
+    return z, (x >= lower[:, None]) & (z >= min_z[:, None])
+
+
 def top_p_target(total: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Integer mass the kept prefix must reach: ``ceil(top_p * total)`` clamped to [1, total]."""
     t = torch.ceil(total.double() * top_p).long()

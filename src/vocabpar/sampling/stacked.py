@@ -1,5 +1,6 @@
-"""Verification's stacked rows: a batch's parameters repeated at each draft position, where
-``min_tokens`` counts the tokens produced before the drafts plus the position."""
+"""Verification's stacked rows: the target's ``B·(k+1)`` (row ``b``, position ``i`` at ``b·(k+1)
++ i``), then the draft's ``k`` per drafted row, with the batch's parameters repeated at each
+position, where ``min_tokens`` counts the tokens produced before the drafts plus the position."""
 
 from __future__ import annotations
 
@@ -15,3 +16,12 @@ def stacked_rows(params: SamplingParams, batch: int, vocab_size: int, index: tor
     further on: verification's stacked rows, whose ``min_tokens`` counts ``output_lens + offset``."""
     lens = None if output_lens is None else check_output_lens(output_lens, batch)[index.cpu()] + offset.cpu()
     return params.take(batch, vocab_size, index).resolve(index.numel(), vocab_size, lens)
+
+
+def stacked_index(batch: int, k: int, drafted: list[int]) -> tuple[list[int], list[int]]:
+    """Per stacked row, its batch row and its position offset, for ``k`` drafts per row and the
+    rows ``drafted`` (ascending) whose draft logits join: host lists, so a schedule that reads
+    nothing from the device builds them without a launch."""
+    index = [b for b in range(batch) for _ in range(k + 1)] + [b for b in drafted for _ in range(k)]
+    offset = [i for _ in range(batch) for i in range(k + 1)] + [i for _ in drafted for i in range(k)]
+    return index, offset

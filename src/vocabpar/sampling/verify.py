@@ -35,8 +35,8 @@ from dataclasses import replace
 import torch
 
 from vocabpar import comm
-from vocabpar.kernels.fused import residual
 from vocabpar.layout import VocabLayout
+from vocabpar.sampling.acceptance import correction, emitted, weigh
 from vocabpar.sampling.adaptive import Drawn, choose
 from vocabpar.sampling.constraints import held_back
 from vocabpar.sampling.params import (
@@ -48,14 +48,9 @@ from vocabpar.sampling.params import (
 )
 from vocabpar.sampling.ranks import Ranks, agreed, group_ranks, params_fact
 from vocabpar.sampling.semantics import (
-    NEG_INF,
     VerifyOutput,
-    accept_uniform,
-    accepts,
-    merge_argmax,
 )
-from vocabpar.sampling.stacked import stacked_rows
-from vocabpar.wire.records import DRAW, MASSES
+from vocabpar.sampling.stacked import stacked_index, stacked_rows
 from vocabpar.wire.scripts import VerifyPath, verify_script
 
 
@@ -98,13 +93,11 @@ def _verify_on_device(target_logits, layout, params, draft_tokens, positions, dr
     checked = agreed("verify", layout, group, facts, check)
     ranks, B, k, pos, batch_rows = inputs[0]
     drafts = draft_tokens.to(pos.device)
-    # the stacked rows: the target's B·(k+1) (row b, position i at b·(k+1) + i), then the draft's
-    # k per drafted row (a greedy row ignores its draft logits)
+    # the stacked rows (a greedy row ignores its draft logits)
     drafted = torch.zeros(0, dtype=torch.long)
     if draft_logits is not None and k:
         drafted = (~batch_rows.greedy).nonzero()[:, 0]
-    index = torch.cat([torch.arange(B).repeat_interleave(k + 1), drafted.repeat_interleave(k)])
-    offset = torch.cat([torch.arange(k + 1).repeat(B), torch.arange(k).repeat(drafted.numel())])
+    index, offset = (torch.tensor(t, dtype=torch.long) for t in stacked_index(B, k, drafted.tolist()))
     raw = target_logits.reshape(B * (k + 1), -1)
     if drafted.numel():
         raw = torch.cat([raw, draft_logits[drafted].reshape(drafted.numel() * k, -1)])
@@ -133,14 +126,11 @@ def _verify_on_device(target_logits, layout, params, draft_tokens, positions, dr
         accept = torch.where(weighed, masses.accept, accept)
         path = replace(path, weighed=masses.b.numel())
     accepted = accept.long().cumprod(1).sum(1)
-    tokens = torch.full((B, k + 1), -1, dtype=torch.long)
-    keep = torch.arange(k + 1) < accepted[:, None]
-    tokens[:, :k] = torch.where(keep[:, :k], drafts, -1)
     last = drawn.gather(1, accepted[:, None])[:, 0]
     if masses is not None:
         last = masses.correct(last, accepted)
         path = replace(path, rejected=masses.rejected)
-    tokens.scatter_(1, accepted[:, None], last[:, None])
+    tokens = emitted(drafts, accepted, last)
     return VerifyOutput(accepted, tokens, verify_script(path))
 
 
@@ -154,16 +144,13 @@ class _Masses:
         self.choice, self.ranks, self.pos, self.k, self.slot = choice, ranks, pos, k, slot
         b, i = weighed.nonzero(as_tuple=True)
         cols, owned = layout.local_ids(drafts[b, i], ranks.me)
-        local = torch.zeros(4, b.numel(), dtype=torch.long)  # target total, token; draft total, token
-        for side, first in enumerate(self._rows(b, i)):
-            total, at = choice.step.kept_total_and_at(first, choice.thr, cols)
-            local[2 * side], local[2 * side + 1] = total, torch.where(owned, at, 0)
-        total = MASSES.unpack(ranks.sum(MASSES.pack(target_total=local[0], target_token=local[1],
-                                                    draft_total=local[2], draft_token=local[3])))
-        u = accept_uniform(choice.step.rows.seed[b * (k + 1)], pos[b] + i)
+        target, draft = self._rows(b, i)
+        step = choice.step
+        kept_total_and_at = lambda rows, at: step.kept_total_and_at(rows, choice.thr, at)  # noqa: E731
+        total, accept = weigh(kept_total_and_at, target, draft, cols, owned, step.rows.seed[target],
+                              pos[b] + i, ranks.sum)
         self.accept = torch.zeros(B, k, dtype=torch.bool)
-        self.accept[b, i] = accepts(u, total.target_token, total.target_total, total.draft_token,
-                                    total.draft_total)
+        self.accept[b, i] = accept
         self.weighed, self.total, self.b, self.i, self.rejected = weighed, total, b, i, 0
 
     def _rows(self, b: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,13 +170,11 @@ class _Masses:
         j = accepted[b]
         f = torch.searchsorted(self.b * k + self.i, b * k + j)  # the weighed entry of (b, j)
         target, draft = self._rows(b, j)
-        step, ids = self.choice.step, self.ranks.ids
-        best, arg = residual(step.kept_mass(target, self.choice.thr), self.total.target_total[f],
-                             step.kept_mass(draft, self.choice.thr), self.total.draft_total[f],
-                             step.rows.seed[target], self.pos[b] + j, ids)
-        got = DRAW.unpack(self.ranks.gather(DRAW.pack(score=best, id=arg)))
-        score, token = merge_argmax(got.score, got.id)
+        step, thr = self.choice.step, self.choice.thr
+        token = correction(step.kept_mass(target, thr), self.total.target_total[f],
+                           step.kept_mass(draft, thr), self.total.draft_total[f], step.rows.seed[target],
+                           self.pos[b] + j, self.ranks.ids, self.ranks.gather)
         self.rejected = b.numel()
         last = last.clone()
-        last[b] = torch.where(score > NEG_INF, token, last[b])
+        last[b] = torch.where(token >= 0, token, last[b])
         return last
