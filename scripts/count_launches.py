@@ -1,7 +1,7 @@
 """Count the kernel launches and host reads of vocabpar's own code paths and write them as the
 planner's data, src/vocabpar/plan/host_work.json (:mod:`vocabpar.plan.host` reads it):
 
-    .venv/bin/python scripts/count_launches.py [--out PATH]
+    .venv/bin/python scripts/count_launches.py [--out PATH] [--compiled]
 
 Runs ``tests/host_probe.py``'s measurement on two local gloo ranks (every sampler key, every
 family of logit rows) and on three (scoring and collection, whose launches grow with the ranks),
@@ -9,6 +9,13 @@ then writes every measured table with a header: the torch version, the command, 
 launches and host reads were counted. About half a minute on two cores. Rerun it whenever a
 sampler, verifier, scorer or collection path changes; ``tests/test_host_work.py`` re-counts a
 sample of the entries and fails when the file has gone stale.
+
+``--compiled`` also counts the kernels of the engine ``Sampler``'s ``sample`` and ``verify``
+compiled whole (``torch.compile(fullgraph=True)``, Inductor), per sampler key on two ranks: the
+tables graph mode prices; and of its greedy ``sample`` with top-5 logprobs and its
+``token_logprobs`` with top 5. Inductor lowers each program and writes its source, which is counted;
+nothing is built or run. About a minute per program on two cores (some forty programs); without
+``--compiled`` the file's compiled tables are kept as they are.
 """
 
 from __future__ import annotations
@@ -41,11 +48,30 @@ COUNTING = (
     "pass of vocabpar.kernels.fused counts as one launch, its inner operations hidden. A host read "
     "is what vocabpar.host_reads.counting sees: a read of a device value, a copy to the host, or an "
     "op whose output size depends on the data. Measured on CPU gloo ranks with agreement checks "
-    "off; counts are per call and do not depend on the batch size.")
+    "off; counts are per call and do not depend on the batch size. Compiled (engine_graph tables): the "
+    "kernels one call of the program Inductor generates runs -- its generated kernels plus the ATen "
+    "operations left in it (extern kernels, fallbacks), the collectives and their waits left out -- "
+    "vocabpar's own passes traced into the program; on two gloo ranks, the busiest rank.")
+COMPILED = ("engine_graph", "engine_graph_verify", "engine_graph_score")
 
 
-def measure() -> dict:
-    """The tables and their header, measured now."""
+def compiled_tables() -> dict[str, dict[str, list[int]]]:
+    """The compiled programs' kernels per sampler key, measured now (one launch per key)."""
+    out: dict[str, dict[str, list[int]]] = {table: {} for table in COMPILED}
+    for key in host.SAMPLER_KEYS:
+        ranks = run(host_probe.measure_compiled, 2, host_probe.B, (key,), timeout=900, run_timeout=3600)
+        for entry in ranks[0]["engine"]:
+            table, name = (COMPILED[1], host.verify_name(*entry)) if isinstance(entry, tuple) else \
+                (COMPILED[0], entry.name)
+            out[table][name] = [max(rank["engine"][entry] for rank in ranks)]
+    ranks = run(host_probe.measure_compiled_scores, 2, host_probe.B, timeout=900, run_timeout=3600)
+    out[COMPILED[2]] = {name: [max(rank[name] for rank in ranks)] for name in ranks[0]}
+    return out
+
+
+def measure(compiled: dict[str, dict[str, list[int]]]) -> dict:
+    """The tables and their header, measured now (``compiled``: the compiled tables, measured or
+    kept)."""
     two = run(host_probe.measure, 2, host_probe.B, timeout=300, run_timeout=900)
     three = run(host_probe.measure, 3, host_probe.B, ("score", "collect"), timeout=300, run_timeout=900)
     script = Path(sys.argv[0]).resolve()
@@ -62,7 +88,7 @@ def measure() -> dict:
         "not_here": "the dense sampler's tables (vLLM's own sampler, counted outside this repository) stay "
                     "typed in vocabpar/plan/host.py",
     }
-    return {"header": header, **host_probe.tables(two, three)}
+    return {"header": header, **host_probe.tables(two, three), **compiled}
 
 
 def dumps(data: dict) -> str:
@@ -75,8 +101,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Count the kernel launches and host reads of vocabpar's "
                                                  "code paths and write the planner's data file.")
     parser.add_argument("--out", type=Path, default=host.DATA, help="where to write (default: %(default)s)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also count the compiled engine programs (about forty minutes); else keep "
+                             "the file's")
     args = parser.parse_args(argv)
-    data = measure()
+    if args.compiled:
+        compiled = compiled_tables()
+    else:
+        kept = json.loads(args.out.read_text()) if args.out.exists() else {}
+        if not all(isinstance(kept.get(table), dict) for table in COMPILED):
+            parser.error(f"{args.out} holds no compiled tables to keep: run with --compiled")
+        compiled = {table: kept[table] for table in COMPILED}
+    data = measure(compiled)
     args.out.write_text(dumps(data))
     entries = sum(len(t) for name, t in data.items() if name != "header")
     print(f"{entries} entries in {len(data) - 1} tables -> {args.out}")

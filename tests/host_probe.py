@@ -14,8 +14,10 @@ call and do not depend on the batch size.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections import Counter
 from collections.abc import Iterator
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -26,6 +28,7 @@ from vocabpar.host_reads import counting
 from vocabpar.kernels import fused
 from vocabpar.plan import host
 from vocabpar.sampling import Sampler, verify
+from vocabpar.sampling.engine import STEP_OPTIONS
 from vocabpar.sampling.scoring import token_logprobs
 
 FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "lift_fresh",
@@ -197,3 +200,87 @@ def tables(two: list[dict], three: list[dict]) -> dict[str, dict[str, list[int]]
                 raise ValueError(f"{table} {name!r} reads {r2} times on two ranks, {r3} on three")
             out[table][name] = [l2 - 2 * (l3 - l2), l3 - l2, r2]
     return out
+
+
+KERNEL_CALL = re.compile(r"^\s+(?:\w+ = )?(\w+\.run|cpp_fused_\w+|extern_kernels\.\w+|aten\.[\w.]+"
+                         r"|torch\.ops\.[\w.]+)\(", re.M)
+"""A call in the ``call`` function of Inductor's generated program that runs a kernel: a generated
+kernel (C++ ``cpp_fused_*`` here, a Triton kernel's ``.run`` on a GPU), an extern kernel or an ATen
+operation Inductor left in the program."""
+
+
+def program_kernels(code: str) -> int:
+    """Kernels one run of an Inductor program (its generated source ``code``) launches, the
+    collectives and their waits left out (priced apart)."""
+    body = code[code.index("def call("):]
+    calls = KERNEL_CALL.findall(body)
+    return sum(1 for name in calls if "_c10d_functional" not in name and "wait_tensor" not in name)
+
+
+class _Generated(Exception):
+    """Raised once Inductor has generated a program's source: nothing builds or runs it."""
+
+
+def compiled_kernels(fn, *args) -> int:
+    """Kernels per call of ``fn(*args)`` compiled whole (``torch.compile(fullgraph=True)``,
+    Inductor) with vocabpar's passes traced into the program. Inductor lowers and schedules the
+    program and writes its source, then the compile stops (as ``torch._inductor.utils.get_code``
+    does): nothing is built or run, so a count sends nothing. Under the options a step is compiled
+    with (:data:`vocabpar.sampling.engine.STEP_OPTIONS`); Inductor's caches off: a cached program
+    would skip the lowering."""
+    from torch._inductor.graph import GraphLowering
+
+    codes: list[str] = []
+
+    def generate(graph: GraphLowering):
+        wrapper, _ = graph.codegen_with_cpp_wrapper() if graph.cpp_wrapper else graph.codegen()
+        codes.append(wrapper.value)
+        raise _Generated
+
+    torch._dynamo.reset()
+    uncached = torch._inductor.config.patch(fx_graph_cache=False, autotune_local_cache=False, **STEP_OPTIONS)
+    with fused.compiling(False), mock.patch.object(GraphLowering, "compile_to_module", generate), uncached, \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        try:
+            torch.compile(fn, fullgraph=True)(*args)
+        except Exception as error:  # Dynamo wraps the stop in its own error
+            if not codes:
+                raise
+            del error
+    torch._dynamo.reset()
+    return sum(program_kernels(code) for code in codes)
+
+
+def measure_compiled(rows: int = B, keys: tuple[host.SamplerKey, ...] = host.SAMPLER_KEYS) -> dict[str, dict]:
+    """On each rank: per sampler key (of ``keys``), the kernels of the engine ``Sampler.sample``
+    and ``verify`` (one-hot drafts and, sampled, draft logits) compiled whole, on peaked rows."""
+    layout = VocabLayout(V, comm.world_size())
+    full = families(rows * (2 * K + 1))["peaked"]
+    engine = Sampler(layout, max_rows=rows, check=False)
+    verifier = Sampler(layout, max_rows=rows * (2 * K + 1), check=False)
+    out: dict[str, dict] = {"engine": {}}
+    for key in keys:
+        batch = engine.prepare(params(key, rows), positions=torch.arange(rows))
+        out["engine"][key] = compiled_kernels(engine.sample, _shard(full[:rows], layout), batch)
+        target = _shard(full[: rows * (K + 1)], layout).view(rows, K + 1, -1)
+        drafts = full[:rows, :K].argsort(1)[:, :K] % V
+        vbatch = verifier.prepare(params(key, rows), positions=torch.arange(rows))
+        for draft in (False, True) if not key.greedy else (False,):
+            dl = _shard(full[rows * (K + 1):], layout).view(rows, K, -1) if draft else None
+            out["engine"][key, draft] = compiled_kernels(verifier.verify, target, vbatch, drafts, dl)
+    return out
+
+
+def measure_compiled_scores(rows: int = B, top_n: int = 5) -> dict[str, int]:
+    """On each rank: the kernels of the engine ``Sampler``'s greedy ``sample`` with top-``top_n``
+    logprobs and of its ``token_logprobs`` with ``top_n``, each compiled whole."""
+    layout = VocabLayout(V, comm.world_size())
+    local = _shard(families(rows)["peaked"], layout)
+    engine = Sampler(layout, max_rows=rows, max_top_n=top_n, check=False)
+    batch = engine.prepare(SamplingParams(temperature=0.0, logprobs=top_n, seed=list(range(rows))),
+                           positions=torch.arange(rows))
+    def score(x: torch.Tensor, ids: torch.Tensor):
+        return engine.token_logprobs(x, ids, top_n=top_n)
+
+    return {"sample+logprobs": compiled_kernels(engine.sample, local, batch),
+            "token_logprobs+top_n": compiled_kernels(score, local, torch.arange(rows))}

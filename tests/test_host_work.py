@@ -2,6 +2,10 @@
 scripts/count_launches.py) still describe vocabpar's code paths: a sample of the entries is counted
 again on real gloo ranks (tests/host_probe.py) and compared with the file.
 
+The compiled engine programs (the graph-mode tables): greedy's ``sample`` and ``verify`` are
+compiled again on two ranks and compared with the same tolerance; every entry meets the kernel
+budget the compiled step is held to.
+
 The sample: greedy and three sampled keys that between them take every branch kind (top-k off,
 within round one's candidates and a threshold search; top-p on and off; min-p on and off), for the
 functional sampler and verifier and the engine Sampler's sample and verify, on peaked rows
@@ -65,9 +69,11 @@ def test_the_file_holds_every_entry_and_says_how_it_was_counted():
         assert set(data[f"{sampler}_verify"]) == set(verify_names), sampler
     assert set(data["score"]) == {host.score_name(0), host.score_name(5)}
     assert {d.strategy for d in DESIGNS} | {"none"} == set(data["collect"])
+    assert set(data["engine_graph"]) == set(names) and set(data["engine_graph_verify"]) == set(verify_names)
     for table in host.MEASURED:
         for name, numbers in data[table].items():
-            assert len(numbers) == (3 if table in ("score", "collect") else 4), (table, name)
+            width = 3 if table in ("score", "collect") else 1 if table.startswith("engine_graph") else 4
+            assert len(numbers) == width, (table, name)
             assert all(isinstance(n, int) and n >= 0 for n in numbers), (table, name)
 
 
@@ -181,3 +187,35 @@ def test_the_one_read_an_engine_step_makes_is_the_copy_of_its_ids():
             copied.raise_if_failed()
         reads = [sum(c.values()) for c in (sampling, copying, checking)]
         assert reads == [0, host.IDS_TO_HOST.reads, 0], (key, reads)
+
+
+BUDGET = {"greedy": 10, "top_k=candidates+top_p+min_p": 30}
+"""Kernels per compiled call: greedy 10, the certified sampled plan 30, any other sampled plan
+(the searches) and a plan with top-5 logprobs 48, ``verify`` 60."""
+
+
+def test_the_compiled_engine_step_meets_its_kernel_budget():
+    data = host.load(host.DATA)
+    for name, (kernels,) in data["engine_graph"].items():
+        assert kernels <= BUDGET.get(name, 48), (name, kernels)
+    for name, (kernels,) in data["engine_graph_verify"].items():
+        assert kernels <= 60, (name, kernels)
+    assert set(data["engine_graph_score"]) == {"sample+logprobs", "token_logprobs+top_n"}
+    scores = data["engine_graph_score"]
+    assert all(kernels <= 48 for (kernels,) in scores.values()), scores
+    for key in host.SAMPLER_KEYS:  # graph mode prices these kernels and no host read
+        eager = host.sampler_work("engine", key)
+        compiled = host.sampler_work("engine", key, compiled=True)
+        assert compiled.reads == 0 and compiled.launches == data["engine_graph"][key.name][0] < eager.launches
+        verify = host.verify_work("engine", key, True, compiled=True)
+        assert verify.launches == data["engine_graph_verify"][host.verify_name(key, True)][0]
+
+
+def test_a_recount_of_the_compiled_greedy_step_agrees_with_the_file():
+    ranks = run(host_probe.measure_compiled, 2, host_probe.B, (K(True),), timeout=300, run_timeout=600)
+    for entry, table, name in ((K(True), "engine_graph", "greedy"), ((K(True), False), "engine_graph_verify",
+                                                                    "greedy")):
+        measured = max(rank["engine"][entry] for rank in ranks)
+        recorded = host.entry(table, name)[0]
+        assert close(measured, recorded), (f"{table} {name}: counted {measured}, the file says {recorded}: "
+                                           f"rerun `{host.REGENERATE} --compiled`")

@@ -720,11 +720,18 @@ def test_labels_fit_the_workload():
 
 # ---------------------------------------------------------------------- execution modes
 def test_mode_sets_the_prices_and_names_its_sources(capsys):
+    launches = {}
     for name, m in P.MODES.items():
         d = json.loads((main(["plan", "--json", "--mode", name]), capsys.readouterr().out)[1])
         assert (d["workload"]["latency"], d["workload"]["launch"], d["workload"]["sync"]) == \
             (m.latency, m.launch, m.sync)
         assert d["mode"]["name"] == name and "#" in d["mode"]["latency_source"]
+        assert d["workload"]["compiled"] is m.compiled is (name == "graph")
+        launches[name] = {x["name"]: x["launches"] for x in d["designs"]}
+    # graph mode prices the engine step's compiled kernels; every other design's launches stay
+    assert launches["graph"]["vocabpar-engine"] < launches["eager"]["vocabpar-engine"]
+    assert {k: v for k, v in launches["graph"].items() if k != "vocabpar-engine"} == \
+        {k: v for k, v in launches["eager"].items() if k != "vocabpar-engine"}
     assert P.MODES["graph"].latency < P.MODES["eager"].latency < P.MODES["multinode"].latency
     d = json.loads((main(["plan", "--json", "--mode", "graph", "--latency-us", "3", "--launch-us", "0.5",
                           "--sync-us", "40"]), capsys.readouterr().out)[1])
@@ -759,7 +766,8 @@ def test_recommendation_changes_with_the_mode():
     engine sampler's few bytes win; eagerly, its launches make the all-to-all faster; across
     nodes, its fewer collectives make it win again."""
     w = _workload("llama-3.1-70b", ranks=8, batch=864)
-    picks = {name: P.recommend(P.plan(replace(w, latency=m.latency, launch=m.launch, sync=m.sync))).design
+    picks = {name: P.recommend(P.plan(replace(w, latency=m.latency, launch=m.launch, sync=m.sync,
+                                               compiled=m.compiled))).design
              for name, m in P.MODES.items()}
     assert picks == {"graph": "vocabpar-engine", "eager": "sglang-all-to-all",
                      "multinode": "vocabpar-engine"}
@@ -901,9 +909,13 @@ def test_tp_is_ranks(capsys, monkeypatch):
 
 
 def test_crossover_names_the_faster_sampler_and_says_when_shards_never_win(capsys, monkeypatch):
-    """Llama 3.1 70B at TP 8 in graph mode, B=1024: the table's fastest design is the engine,
-    and the crossover line names it against the fastest design collecting the logits."""
-    argv = ["--preset", "llama-3.1-70b", "--tp", "8", "--mode", "graph", "--batch", "1024"]
+    """Llama 3.1 70B at TP 8 in graph mode, top-p 0.9, B=1024: the table's fastest design is the
+    engine, and the crossover line names it against the fastest design collecting the logits
+    (greedy, the compiled engine is the fastest at every batch: the line says so)."""
+    greedy = ["--preset", "llama-3.1-70b", "--tp", "8", "--mode", "graph", "--batch", "1024"]
+    assert "vocabpar-engine (sampling on shards) is at least as fast as sglang-all-to-all (collecting the " \
+           "logits) at every batch" in " ".join(_report(capsys, monkeypatch, *greedy).split())
+    argv = greedy + ["--temperature", "1", "--top-p", "0.9"]
     designs = _designs_json(capsys, *argv)
     fastest = min((d for d in designs.values() if d["applies"]), key=lambda d: d["step_time_s"])["name"]
     assert fastest == "vocabpar-engine"
@@ -912,8 +924,8 @@ def test_crossover_names_the_faster_sampler_and_says_when_shards_never_win(capsy
     assert c["shards"] == "vocabpar-engine" and c["batch"] <= 1024 and c["gather"] == "sglang-all-to-all"
     assert (f"sglang-all-to-all (collecting the logits) is faster below {c['batch']:,} rows, vocabpar-engine "
             f"(sampling on shards) from {c['batch']:,} on") in flat
-    # a launch costing a second: the shards' extra launches never pay off
-    flat = " ".join(_report(capsys, monkeypatch, *argv, "--launch-us", "1000000").split())
+    # eager, a launch costing a second: the shards' extra launches never pay off
+    flat = " ".join(_report(capsys, monkeypatch, *argv, "--mode", "eager", "--launch-us", "1000000").split())
     assert (f"(collecting the logits) is faster than vocabpar-engine (sampling on shards) at every batch "
             f"searched, {SEARCHED[0]} to {SEARCHED[1]:,} rows") in flat
 

@@ -25,7 +25,7 @@ from vocabpar.report import wrap as wrap_line
 
 EXPECTED_S: dict[str, tuple[float, float]] = {
     "bench_compile": (250, 20), "bench_embedding": (90, 4), "bench_head": (120, 5),
-    "bench_inductor": (60, 5), "bench_logprobs": (240, 8), "bench_passes": (120, 8),
+    "bench_graph": (5, 5), "bench_inductor": (60, 5), "bench_logprobs": (240, 8), "bench_passes": (120, 8),
     "bench_sampling": (150, 8), "bench_verify": (240, 8)}
 """Seconds each script takes on a 2-core machine: (full, --quick). The --quick ones and the full
 bench_compile measured with the pass store warm and the machine nearly idle (a loaded one takes

@@ -128,7 +128,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         bandwidth=args.bandwidth * 1e9, flops=args.flops * 1e12, memory_bandwidth=args.memory_bandwidth * 1e9,
         kv_bytes_per_token=kv, pad_to=args.pad_to,
         latency=given(args.latency_us, mode.latency), launch=given(args.launch_us, mode.launch),
-        sync=given(args.sync_us, mode.sync),
+        sync=given(args.sync_us, mode.sync), compiled=mode.compiled,
         sampling=plan.Sampling(_temperature(args), args.top_k, args.top_p, args.min_p),
         spec_tokens=args.spec_tokens, draft_logits=args.draft_logits, score_tokens=args.score_tokens,
         score_top_n=args.score_top_n, skew=args.skew)

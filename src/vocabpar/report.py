@@ -129,7 +129,9 @@ def report_text(w: Workload, costs: list[DesignCost], rec: Recommendation, cross
              f"{w.sampling.describe()}" + "".join(f"; {e}" for e in extra if e),
              f"machine: {mode.name} mode ({mode.summary}): {human(w.latency, 'seconds')} per collective, "
              f"{human(w.launch, 'seconds')} per kernel launch, {human(w.sync, 'seconds')} per host read; "
-             f"{human(w.bandwidth, 'bytes')}/s, {human(w.flops, 'flops')}/s"]
+             f"{human(w.bandwidth, 'bytes')}/s, {human(w.flops, 'flops')}/s"
+             + ("; the engine Sampler's step compiled whole (its kernels counted from the compiled program)"
+                if w.compiled else "")]
     for name, attr, source in (("collective", "latency", mode.latency_source), ("launch", "launch",
                                mode.launch_source), ("host read", "sync", mode.sync_source)):
         given = getattr(w, attr) != getattr(mode, attr)

@@ -107,16 +107,17 @@ def sampler_key(w: Workload, ranks: int, widest: int) -> host.SamplerKey:
 
 def host_work(design: Design, w: Workload, step: str) -> HostWork:
     """Launches and host reads of ``design``'s logits path in one ``step`` (:data:`STEPS`) of
-    ``w``: computing and collecting the logits, then sampling, verifying or scoring them; a
-    decode or verification step also copies its ids to the host (:data:`host.IDS_TO_HOST`)."""
+    ``w``: computing and collecting the logits, then sampling, verifying or scoring them (the
+    engine Sampler's call compiled whole where ``w.compiled``); a decode or verification step
+    also copies its ids to the host (:data:`host.IDS_TO_HOST`)."""
     n = 1 if design.single_device else w.ranks
     widest = min(shard_rows(w.vocab, n, design.scheme, w.pad_to), w.vocab)
     key = sampler_key(w, n, widest)
     collect = host.collect_work(design.strategy, n)
     if step == "decode":
-        return collect + host.sampler_work(design.sampler, key) + host.IDS_TO_HOST
+        return collect + host.sampler_work(design.sampler, key, w.compiled) + host.IDS_TO_HOST
     if step == "verify":
-        return collect + host.verify_work(design.sampler, key, w.draft_logits) + host.IDS_TO_HOST
+        return collect + host.verify_work(design.sampler, key, w.draft_logits, w.compiled) + host.IDS_TO_HOST
     blocks = len(score_blocks(w.score_tokens)) if strategy(design.strategy).on_shards else 1
     per_block = HostWork(*(blocks * x for x in (collect.launches, collect.reads, collect.launches_worst,
                                                  collect.reads_worst)))

@@ -122,6 +122,8 @@ class Switch:
     bandwidth: float = 300e9
     launch: float = LAUNCH
     sync: float = SYNC
+    compiled: bool = False
+    """The engine Sampler's calls run compiled whole (:attr:`vocabpar.plan.Workload.compiled`)."""
 
     def __post_init__(self) -> None:
         Workload(1, 1, ranks=1, latency=self.latency, bandwidth=self.bandwidth, launch=self.launch,
@@ -131,7 +133,7 @@ class Switch:
     def for_mode(cls, name: str, bandwidth: float = 300e9) -> Switch:
         """The prices of execution mode ``name`` (:data:`vocabpar.plan.machine.MODES`)."""
         m = mode(name)
-        return cls(m.latency, bandwidth, m.launch, m.sync)
+        return cls(m.latency, bandwidth, m.launch, m.sync, m.compiled)
 
     def workload(self, vocab: int, hidden: int, ranks: int, rows: int, sampling: Sampling, *,
                  pad_to: int = 64, logits_dtype_bytes: int = 4, spec_tokens: int = 0,
@@ -140,13 +142,13 @@ class Switch:
         computes them)."""
         return Workload(vocab, hidden, ranks=ranks, batch=rows, pad_to=pad_to,
                         logits_dtype_bytes=logits_dtype_bytes, bandwidth=self.bandwidth, latency=self.latency,
-                        launch=self.launch, sync=self.sync,
+                        launch=self.launch, sync=self.sync, compiled=self.compiled,
                         sampling=sampling, spec_tokens=spec_tokens, draft_logits=draft_logits)
 
     def crossover(self, w: Workload, step: str = "decode") -> int | None:
         """:func:`crossover` of ``w`` at this switch's prices (``w``'s batch ignored), cached."""
         priced = replace(w, latency=self.latency, bandwidth=self.bandwidth, launch=self.launch,
-                         sync=self.sync)
+                         sync=self.sync, compiled=self.compiled)
         return _cached(_at(priced, step, 1), step)
 
     def strategy(self, w: Workload, step: str = "decode") -> str:

@@ -17,7 +17,8 @@ Each design names the sampler it runs (:attr:`vocabpar.plan.Design.sampler`):
   rows; worst: the most measured on peaked, flat, Zipf and heavily tied rows (the busiest rank).
 * ``"engine"``: :class:`vocabpar.sampling.Sampler` on the shards: one fixed script, no host read.
   Its launches are (almost) the same whatever the logits; its failure flags ride in the step's
-  copy of sampled ids (:data:`IDS_TO_HOST`), so it reads nothing of its own.
+  copy of sampled ids (:data:`IDS_TO_HOST`), so it reads nothing of its own. In a mode that runs
+  it compiled whole (graph mode), its launches are the kernels of the compiled program.
 * ``"dense"``: an engine's own sampler on the full rows a collecting or replicated design holds:
   vLLM's PyTorch-native sampler (``vllm/v1/sample``, ``Sampler.sample`` with
   ``TopKTopPSampler.forward_native``, min-p's ``MinPLogitsProcessor.apply``), counted the same
@@ -116,12 +117,20 @@ MEASURED: dict[str, str] = {
               "reads_worst]",
     "engine_verify": "vocabpar.sampling.Sampler.verify on the shards, per key (+draft_logits as above): "
                      "[launches, reads, launches_worst, reads_worst]",
+    "engine_graph": "vocabpar.sampling.Sampler.sample compiled whole (torch.compile fullgraph, Inductor), "
+                    "per key: [kernels]",
+    "engine_graph_verify": "vocabpar.sampling.Sampler.verify compiled whole, per key (+draft_logits as "
+                           "above): [kernels]",
+    "engine_graph_score": "the engine Sampler compiled whole: greedy sample with top-5 logprobs "
+                          "(sample+logprobs), token_logprobs with top 5 (token_logprobs+top_n): [kernels]",
     "score": "token_logprobs on one block of shards: [launches, more launches per rank, reads]",
     "collect": "compute_logits per strategy on two or more ranks, the head's GEMM included: [launches, "
                "more launches per rank, reads]",
 }
 """The measured tables of :data:`DATA` and what each entry holds. Sampler tables: the busiest rank
-on peaked rows (typical) and the most on any family (worst). ``score`` and ``collect`` grow by a
+on peaked rows (typical) and the most on any family (worst); the compiled program is the same for
+any logits (its kernels counted from the program Inductor generates on two ranks: generated kernels
+plus the ATen operations left in it, collectives apart). ``score`` and ``collect`` grow by a
 few launches per rank (merging the gathered records); the ids exchanges launch nothing but their
 collective; DP attention reads the exchanged row counts on the host."""
 
@@ -183,18 +192,24 @@ def collect_work(strategy: str, ranks: int) -> HostWork:
     return _per_rank("collect", "none" if ranks == 1 else strategy, ranks)
 
 
-def sampler_work(sampler: str, key: SamplerKey) -> HostWork:
+def sampler_work(sampler: str, key: SamplerKey, compiled: bool = False) -> HostWork:
     """One sampler call of kind ``sampler`` (:data:`SAMPLERS`) on a batch of ``key``'s rows (the
-    copy of its ids to the host apart: :data:`IDS_TO_HOST`)."""
+    copy of its ids to the host apart: :data:`IDS_TO_HOST`); ``compiled``: the engine Sampler's
+    call runs compiled whole, its launches the compiled program's kernels."""
     if sampler == "dense":
         return DENSE[key]
+    if sampler == "engine" and compiled:
+        return fixed(entry("engine_graph", key.name)[0], 0)
     if sampler in ("functional", "engine"):
         return HostWork(*entry(sampler, key.name))
     raise ValueError(f"unknown sampler {sampler!r}; expected one of {SAMPLERS}")
 
 
-def verify_work(sampler: str, key: SamplerKey, draft_logits: bool) -> HostWork:
-    """One verification of kind ``sampler`` on a batch of ``key``'s rows."""
+def verify_work(sampler: str, key: SamplerKey, draft_logits: bool, compiled: bool = False) -> HostWork:
+    """One verification of kind ``sampler`` on a batch of ``key``'s rows (``compiled`` as in
+    :func:`sampler_work`)."""
+    if sampler == "engine" and compiled:
+        return fixed(entry("engine_graph_verify", verify_name(key, draft_logits))[0], 0)
     if sampler in ("functional", "engine"):
         return HostWork(*entry(f"{sampler}_verify", verify_name(key, draft_logits)))
     if sampler == "dense":

@@ -22,15 +22,19 @@ class Mode:
     launch_source: str
     sync_source: str = ("assumed: a host read waits for the stream to drain and copies a few bytes back, "
                         "~10-30 us on current GPUs (not measured here: no GPU)")
+    compiled: bool = False
+    """The engine Sampler's calls run compiled whole (``torch.compile(fullgraph=True)``): their
+    launches are the kernels of the compiled program rather than its eager operations."""
 
 
 EAGER_LAUNCH = "a PyTorch op launched eagerly from Python: ~7 us on a tiny tensor (flagos-ai/FlagGems#4812)"
 MODES: dict[str, Mode] = {m.name: m for m in (
-    Mode("graph", "collectives captured in a CUDA graph or one-shot kernels, one node", 8e-6, 1.5e-6, 20e-6,
+    Mode("graph", "the step compiled, captured in a CUDA graph, collectives as one-shot kernels, one node",
+         8e-6, 1.5e-6, 20e-6,
          "small NCCL all-reduce in CUDA graphs: 0.5-6 us on 2-8 H100/H800 over NVLink (NVIDIA/nccl#1984, "
          "#1259); FlashInfer one-shot all-reduce ~8 us (sgl-project/sglang#32461)",
          "a kernel node of a replayed graph; a raw cuLaunchKernel takes ~1.3 us "
-         "(meta-pytorch/tritonbench#1016)"),
+         "(meta-pytorch/tritonbench#1016)", compiled=True),
     Mode("eager", "collectives issued eagerly from Python on one node, as engines' samplers run today",
          25e-6, 5e-6, 20e-6,
          "torch.distributed NCCL all-reduce of 128 B-512 KB: 19-25 us on 8 H100 (ByteDance-Seed/"

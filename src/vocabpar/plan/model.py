@@ -276,8 +276,10 @@ class Workload:
     KV cache one token takes on each rank, from the model (``None``: unknown, no KV column).
     ``memory_bandwidth``: bytes/s a rank reads its weights at (an H100's HBM3: 3.35 TB/s), which
     bounds the head at decode from below: its matrix is read whole whatever the batch.
-    ``latency``/``launch``/``sync``: seconds per collective, kernel launch and host read. Every
-    numeric field lies in its ``LIMITS`` range, which keeps every planned quantity finite."""
+    ``compiled``: the engine Sampler's calls run compiled whole (graph mode), their launches the
+    compiled program's kernels. ``latency``/``launch``/``sync``: seconds per collective, kernel
+    launch and host read. Every numeric field lies in its ``LIMITS`` range, which keeps every
+    planned quantity finite."""
 
     vocab: int
     hidden: int
@@ -296,6 +298,7 @@ class Workload:
     latency: float = LATENCY
     launch: float = LAUNCH
     sync: float = SYNC
+    compiled: bool = False
     sampling: Sampling = field(default_factory=Sampling)
     spec_tokens: int = 0
     draft_logits: bool = False

@@ -1,0 +1,87 @@
+"""The engine step compiled whole, per plan: kernels per call beside the eager launches, the
+collectives and the bytes each rank receives -- what graph mode prices.
+
+Run: ``.venv/bin/python benchmarks/bench_graph.py [--quick]`` (a second either way: it prints
+counts, it does not time). Kernels are the planner's data (``vocabpar/plan/host_work.json``),
+counted by ``scripts/count_launches.py --compiled``: each ``Sampler.sample`` / ``verify`` call
+compiled whole (``torch.compile(fullgraph=True)``, Inductor, ``STEP_OPTIONS``) on two gloo
+ranks, its program's generated kernels plus the ATen operations left in it, collectives apart
+(``tests/test_host_work.py`` compiles the greedy plan again and compares). Eager launches are the
+same file's eager count of the same call. Collectives and bytes are the plan's fixed script
+(:func:`vocabpar.wire.scripts.engine_sample_script`), priced for Llama 3.1 70B's vocabulary on 8
+ranks at ``max_rows`` = 256 (quick: 16) with the search digits a CUDA Sampler picks; the kernel
+budget is the one the compiled step was built to: greedy 10, the certified sampled plan 30, a
+search plan 48, ``verify`` 60.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from vocabpar.layout import VocabLayout
+from vocabpar.plan import host
+from vocabpar.plan.machine import link
+from vocabpar.presets import preset
+from vocabpar.wire.scripts import choose_search_bits, engine_plan, engine_sample_script, price
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import bottom_line, fmt_bytes, show, sized, table  # noqa: E402
+
+RANKS, ROWS = 8, sized(256, 16)
+PLANS = {  # name: (sampler key, (top_k, top_p, min_p), kernel budget)
+    "greedy": (host.SamplerKey(True), None, 10),
+    "T0.8 / k50 / p0.95 / min-p 0.05": (host.SamplerKey(False, "candidates", True, True), (50, 0.95, 0.05),
+                                        30),
+    "top-p 0.9": (host.SamplerKey(False, "none", True, False), (0, 0.9, 0.0), 48),
+    "top-k 1000": (host.SamplerKey(False, "search", False, False), (1000, 1.0, 0.0), 48),
+    "min-p 0.1": (host.SamplerKey(False, "none", False, True), (0, 1.0, 0.1), 48),
+}
+
+
+def script_of(filters: tuple[int, float, float] | None, vocab: int) -> tuple[int, int]:
+    """(collectives, bytes each rank receives) of a ``sample`` call of ``ROWS`` rows."""
+    widest = VocabLayout(vocab, RANKS).shard_width
+    greedy = filters is None
+    top_k, top_p, min_p = filters or (0, 1.0, 0.0)
+    plan = engine_plan(ROWS, RANKS, widest, vocab, greedy=[greedy] * ROWS, top_k=[top_k] * ROWS,
+                       top_p=[top_p] * ROWS, min_p=[min_p] * ROWS,
+                       search_bits=choose_search_bits(ROWS, RANKS, *link("cuda", None, None)))
+    traffic = price(engine_sample_script(plan), RANKS)
+    return traffic.collectives, traffic.bytes
+
+
+def main() -> None:
+    vocab = preset("llama-3.1-70b").vocab_size
+    rows, over_budget = [], []
+    for name, (key, filters, budget) in PLANS.items():
+        kernels = host.entry("engine_graph", key.name)[0]
+        eager = host.entry("engine", key.name)[0]
+        collectives, received = script_of(filters, vocab)
+        rows.append([f"sample: {name}", str(kernels), str(budget), str(eager), str(collectives),
+                     fmt_bytes(received)])
+        over_budget += [name] * (kernels > budget)
+    for name, draft in (("verify, one-hot drafts", False), ("verify, draft logits", True)):
+        key = PLANS["T0.8 / k50 / p0.95 / min-p 0.05"][0]
+        kernels = host.entry("engine_graph_verify", host.verify_name(key, draft))[0]
+        eager = host.entry("engine_verify", host.verify_name(key, draft))[0]
+        rows.append([f"{name} (certified plan)", str(kernels), "60", str(eager), "", ""])
+        over_budget += [name] * (kernels > 60)
+    for name, entry in (("sample: greedy + top-5 logprobs", "sample+logprobs"),
+                        ("token_logprobs, top 5", "token_logprobs+top_n")):
+        kernels = host.entry("engine_graph_score", entry)[0]
+        rows.append([name, str(kernels), "48", "", "", ""])
+        over_budget += [name] * (kernels > 48)
+    show(f"Engine Sampler per call, compiled whole vs eager; Llama 3.1 70B vocabulary ({vocab}), {RANKS} "
+         f"ranks, max_rows {ROWS}. Kernels counted from the compiled programs on two ranks "
+         f"({host.load(host.DATA)['header']['date']}, torch {host.load(host.DATA)['header']['torch']}).")
+    table(["call", "kernels compiled", "budget", "launches eager", "collectives", "received / rank"], rows)
+    most = max(int(r[1]) for r in rows)
+    fewest = min(int(r[3]) / int(r[1]) for r in rows if r[3])
+    verdict = "every plan within its budget" if not over_budget else "over budget: " + ", ".join(over_budget)
+    bottom_line(f"the compiled engine step runs at most {most} kernels per call, at least {fewest:.0f}x "
+                f"fewer than eager; {verdict}")
+
+
+if __name__ == "__main__":
+    main()
