@@ -2,12 +2,14 @@
 collectives and the bytes each rank receives -- what graph mode prices.
 
 Run: ``.venv/bin/python benchmarks/bench_graph.py [--quick]`` (a second either way: it prints
-counts, it does not time). Kernels are the planner's data (``vocabpar/plan/host_work.json``),
-counted by ``scripts/count_launches.py --compiled``: each ``Sampler.sample`` / ``verify`` call
-compiled whole (``torch.compile(fullgraph=True)``, Inductor, ``STEP_OPTIONS``) on two gloo
-ranks, its program's generated kernels plus the ATen operations left in it, collectives apart
-(``tests/test_host_work.py`` compiles the greedy plan again and compares). Eager launches are the
-same file's eager count of the same call. Collectives and bytes are the plan's fixed script
+counts and no ms -- the compiled step's time is a GPU's, and none is here). Kernels are the
+planner's data (``vocabpar/plan/host_work.json``), counted by ``scripts/count_launches.py
+--compiled``: each ``Sampler.sample`` / ``verify`` call compiled whole
+(``torch.compile(fullgraph=True)``, Inductor, ``STEP_OPTIONS``) on two gloo ranks, its program's
+generated kernels plus the ATen operations left in it, collectives apart
+(``tests/test_host_work.py`` compiles the greedy plan again and compares). Eager launches and
+host reads are the same file's eager count of the same call (the engine reads none; the step's
+one copy of its ids is every design's). Collectives and bytes are the plan's fixed script
 (:func:`vocabpar.wire.scripts.engine_sample_script`), priced for Llama 3.1 70B's vocabulary on 8
 ranks at ``max_rows`` = 256 (quick: 16) with the search digits a CUDA Sampler picks; the kernel
 budget is the one the compiled step was built to: greedy 10, the certified sampled plan 30, a
@@ -58,24 +60,28 @@ def main() -> None:
         kernels = host.entry("engine_graph", key.name)[0]
         eager = host.entry("engine", key.name)[0]
         collectives, received = script_of(filters, vocab)
-        rows.append([f"sample: {name}", str(kernels), str(budget), str(eager), str(collectives),
+        reads = host.entry("engine", key.name)[1]
+        rows.append([f"sample: {name}", str(kernels), str(budget), str(eager), str(reads), str(collectives),
                      fmt_bytes(received)])
         over_budget += [name] * (kernels > budget)
     for name, draft in (("verify, one-hot drafts", False), ("verify, draft logits", True)):
         key = PLANS["T0.8 / k50 / p0.95 / min-p 0.05"][0]
         kernels = host.entry("engine_graph_verify", host.verify_name(key, draft))[0]
         eager = host.entry("engine_verify", host.verify_name(key, draft))[0]
-        rows.append([f"{name} (certified plan)", str(kernels), "60", str(eager), "", ""])
+        reads = host.entry("engine_verify", host.verify_name(key, draft))[1]
+        rows.append([f"{name} (certified plan)", str(kernels), "60", str(eager), str(reads), "", ""])
         over_budget += [name] * (kernels > 60)
     for name, entry in (("sample: greedy + top-5 logprobs", "sample+logprobs"),
                         ("token_logprobs, top 5", "token_logprobs+top_n")):
         kernels = host.entry("engine_graph_score", entry)[0]
-        rows.append([name, str(kernels), "48", "", "", ""])
+        rows.append([name, str(kernels), "48", "", "", "", ""])
         over_budget += [name] * (kernels > 48)
     show(f"Engine Sampler per call, compiled whole vs eager; Llama 3.1 70B vocabulary ({vocab}), {RANKS} "
          f"ranks, max_rows {ROWS}. Kernels counted from the compiled programs on two ranks "
          f"({host.load(host.DATA)['header']['date']}, torch {host.load(host.DATA)['header']['torch']}).")
-    table(["call", "kernels compiled", "budget", "launches eager", "collectives", "received / rank"], rows)
+    header = ["call", "kernels compiled", "budget", "launches eager", "host reads", "collectives",
+              "received / rank"]
+    table(header, rows)
     most = max(int(r[1]) for r in rows)
     fewest = min(int(r[3]) / int(r[1]) for r in rows if r[3])
     verdict = "every plan within its budget" if not over_budget else "over budget: " + ", ".join(over_budget)

@@ -243,10 +243,12 @@ def compiled_kernels(fn, *args) -> int:
             torch._functorch.config.patch(enable_autograd_cache=False):
         try:
             torch.compile(fn, fullgraph=True)(*args)
-        except Exception as error:  # Dynamo wraps the stop in its own error
-            if not codes:
+        except Exception as error:  # Dynamo wraps the stop in its own error: anything else is raised
+            chain = [error]
+            while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
+                chain.append(chain[-1].__cause__ or chain[-1].__context__)
+            if not any(isinstance(e, _Generated) for e in chain):
                 raise
-            del error
     torch._dynamo.reset()
     return sum(program_kernels(code) for code in codes)
 
