@@ -76,9 +76,10 @@ def main() -> None:
         kernels = host.entry("engine_graph_score", entry)[0]
         rows.append([name, str(kernels), "48", "", "", "", ""])
         over_budget += [name] * (kernels > 48)
+    counted = host.load(host.DATA)["header"]
     show(f"Engine Sampler per call, compiled whole vs eager; Llama 3.1 70B vocabulary ({vocab}), {RANKS} "
          f"ranks, max_rows {ROWS}. Kernels counted from the compiled programs on two ranks "
-         f"({host.load(host.DATA)['header']['date']}, torch {host.load(host.DATA)['header']['torch']}).")
+         f"({counted['compiled_date']}, torch {counted['torch']}).")
     header = ["call", "kernels compiled", "budget", "launches eager", "host reads", "collectives",
               "received / rank"]
     table(header, rows)

@@ -69,9 +69,9 @@ def compiled_tables() -> dict[str, dict[str, list[int]]]:
     return out
 
 
-def measure(compiled: dict[str, dict[str, list[int]]]) -> dict:
+def measure(compiled: dict[str, dict[str, list[int]]], compiled_date: str) -> dict:
     """The tables and their header, measured now (``compiled``: the compiled tables, measured or
-    kept)."""
+    kept, and counted at ``compiled_date``)."""
     two = run(host_probe.measure, 2, host_probe.B, timeout=300, run_timeout=900)
     three = run(host_probe.measure, 3, host_probe.B, ("score", "collect"), timeout=300, run_timeout=900)
     script = Path(sys.argv[0]).resolve()
@@ -79,7 +79,7 @@ def measure(compiled: dict[str, dict[str, list[int]]]) -> dict:
                         *sys.argv[1:]])
     header = {
         "torch": torch.__version__, "python": platform.python_version(), "command": command,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": _now(), "compiled_date": compiled_date,
         "counting": COUNTING,
         "setup": (f"vocabulary {host_probe.V}, {host_probe.B} rows, {host_probe.K} drafts per row; "
                   f"samplers on 2 ranks (the busiest rank); families {', '.join(host_probe.families())} "
@@ -89,6 +89,10 @@ def measure(compiled: dict[str, dict[str, list[int]]]) -> dict:
                     "typed in vocabpar/plan/host.py",
     }
     return {"header": header, **host_probe.tables(two, three), **compiled}
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def dumps(data: dict) -> str:
@@ -106,13 +110,14 @@ def main(argv: list[str] | None = None) -> int:
                              "the file's")
     args = parser.parse_args(argv)
     if args.compiled:
-        compiled = compiled_tables()
+        compiled, compiled_date = compiled_tables(), _now()
     else:
         kept = json.loads(args.out.read_text()) if args.out.exists() else {}
         if not all(isinstance(kept.get(table), dict) for table in COMPILED):
             parser.error(f"{args.out} holds no compiled tables to keep: run with --compiled")
         compiled = {table: kept[table] for table in COMPILED}
-    data = measure(compiled)
+        compiled_date = kept["header"].get("compiled_date", kept["header"]["date"])
+    data = measure(compiled, compiled_date)
     args.out.write_text(dumps(data))
     entries = sum(len(t) for name, t in data.items() if name != "header")
     print(f"{entries} entries in {len(data) - 1} tables -> {args.out}")

@@ -20,7 +20,7 @@ def _switch(bandwidth: float) -> plan.Switch:
 
 
 GREEDY = _switch(3.75e8)  # greedy decode: gathering wins below 3 rows; verifying 2 drafts: below 2
-SAMPLED = _switch(1e8)  # the demo's sampled step (top-k 200, top-p 0.95): below 3 rows
+SAMPLED = _switch(1.3e8)  # the demo's sampled step (top-k 200, top-p 0.95): below 3 rows (1.05e8-1.6e8)
 
 
 def plan_greedy():

@@ -1,11 +1,12 @@
 """The fused passes compiled (Inductor) against the same passes eager: the same bits for every
 pass and shape, the same tokens from ``sample``, ``verify`` and the engine ``Sampler`` and the
 same logprobs and top-n from ``token_logprobs`` at 1-4 ranks (tokens and top ids equal to the
-reference too), one compilation per pass whatever the shapes; and the float64 ``log`` / ``exp``
-they rest on against libm. The rest of the suite runs the passes eager (``VOCABPAR_COMPILE=0``
-in conftest): in the one launch here two ranks warm half the passes each (compiled into the store
-where it lacks them: on a fresh machine, or after a pass or what it reads changed) and every rank
-then loads them all from it."""
+reference too; the engine's step compiled whole, one graph with the collectives in it: its
+``sample`` at 4 ranks, its ``verify`` at 3), one compilation per pass whatever the shapes; and the
+float64 ``log`` / ``exp`` they rest on against libm. The rest of the suite runs the passes eager
+(``VOCABPAR_COMPILE=0`` in conftest): in the one launch here two ranks warm half the passes each
+(compiled into the store where it lacks them: on a fresh machine, or after a pass or what it
+reads changed) and every rank then loads them all from it."""
 
 import contextlib
 import dataclasses
@@ -121,6 +122,8 @@ def _tokens(n: int, group: dist.ProcessGroup) -> dict:
                              sampler.verify(target, batch, drafts, drafted).tokens,
                              _sample_listed(shard(full[:B]), layout, p, pos, group))
         out[n, name] = (got[True], got[False])
+        if name == "mixed" and n > 2:
+            out[n, "whole"] = _whole_step(sampler, shard(full[:B]), batch, target, drafts, drafted)
     scored = torch.arange(B) * 37 % V
     for mode in (True, False):
         with fused.compiling(mode):
@@ -128,6 +131,17 @@ def _tokens(n: int, group: dist.ProcessGroup) -> dict:
                         sampler.token_logprobs(shard(full[:B]), scored, top_n=TOP_N))
         out[n, "logprobs", mode] = [(s.logprobs, s.ranks, s.top_ids, s.top_logprobs) for s in logprobs]
     return out
+
+
+def _whole_step(sampler: Sampler, logits: torch.Tensor, batch, target: torch.Tensor, drafts: torch.Tensor,
+                draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's call compiled whole (one graph, the collectives inside: Dynamo's capture, run
+    by the eager backend) and eager, (compiled, eager) tokens: on 4 ranks (the padded layout) its
+    ``sample``, on 3 (the uneven one) its ``verify`` (a trace costs seconds per rank)."""
+    fn, args = (sampler.sample, (logits, batch)) if sampler.ranks.n == 4 else \
+        (sampler.verify, (target, batch, drafts, draft_logits))
+    with fused.compiling(False):
+        return torch.compile(fn, fullgraph=True, backend="eager")(*args).tokens, fn(*args).tokens
 
 
 def _check_passes(F: int, R: int, share: slice) -> dict[tuple[str, int, int], bool]:
@@ -319,6 +333,11 @@ def test_tokens_compiled_equal_eager_and_the_reference_at_every_world_size(ranks
             for got in (compiled, eager):
                 assert all(torch.equal(got[i], want_sample) for i in (0, 1, 4)), (n, name)
                 assert torch.equal(got[2], want_verify) and torch.equal(got[3], want_verify), (n, name)
+        if name == "mixed" and n > 2:  # the engine's step compiled whole, collectives in the graph
+            want = want_sample if n == 4 else want_verify
+            for rank in ranks[:n]:
+                compiled, eager = rank["tokens"][n, "whole"]
+                assert torch.equal(compiled, want) and torch.equal(eager, want), n
     want_top = rank_key(full[:B], torch.arange(V)).topk(TOP_N, 1).indices
     for rank in ranks[:n]:
         compiled, eager = rank["tokens"][n, "logprobs", True], rank["tokens"][n, "logprobs", False]

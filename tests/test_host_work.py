@@ -60,7 +60,7 @@ def three_ranks():
 
 def test_the_file_holds_every_entry_and_says_how_it_was_counted():
     data = host.load(host.DATA)
-    assert {"torch", "command", "date", "counting"} <= set(data["header"])
+    assert {"torch", "command", "date", "compiled_date", "counting"} <= set(data["header"])
     assert "count_launches.py" in data["header"]["command"]
     names = [key.name for key in host.SAMPLER_KEYS]
     verify_names = [host.verify_name(key, d) for key in host.SAMPLER_KEYS for d in (False, True)]

@@ -101,6 +101,19 @@ def test_draft_model_sampling_is_the_same_at_every_rank_count(generations):
                 assert runs["sampled", "model"] == first, where
 
 
+def test_the_engine_sampler_verifies_a_batch_of_greedy_and_sampled_rows_as_the_functional_one():
+    """Draft-model speculation (draft logits) on a batch whose rows mix greedy and sampled: the
+    engine Sampler stacks every row's drafts and gives the functional sampler's tokens."""
+    params = SamplingParams(temperature=[0.0, 0.9, 0.0], top_k=200, seed=[11, 12, 13])
+    tokens = {}
+    for sampler in ("functional", "engine"):
+        lm = parallelize(build_model("llama"), strategy="none", sampler=sampler)
+        draft = parallelize(build_draft("llama"), strategy="none", sampler=sampler)
+        tokens[sampler] = lm.generate(PROMPTS, params, TOKENS, draft=draft, num_draft_tokens=3).tokens
+    assert all(len(t) == TOKENS for t in tokens["engine"])
+    assert tokens["engine"] == tokens["functional"]
+
+
 def test_acceptance_rates_are_reported(generations):
     for per_rank in generations.values():
         for runs in per_rank:

@@ -342,9 +342,9 @@ class Step:
         layout, group = self.layout, self.group
         if STRATEGIES[self.strategy].on_shards and self.engine is not None:
             B, k = drafts.shape
-            greedy = params.unconstrained().resolve(B, layout.vocab_size).greedy.tolist()  # host-side
-            sampled = 0 if draft_logits is None else sum(not g for g in greedy)
-            sampler = self.engine.get(B * (k + 1) + sampled * k)  # the stacked rows
+            greedy = params.unconstrained().resolve(B, layout.vocab_size).greedy  # host-side
+            drafted = draft_logits is not None and not bool(greedy.all())  # every row's drafts join then
+            sampler = self.engine.get(B * (k + 1 + k * drafted))  # the stacked rows
             out = sampler.verify(logits, sampler.prepare(params, positions=positions), drafts, draft_logits)
             out.raise_if_failed()
             return out

@@ -18,6 +18,12 @@ from vocabpar.sampling.semantics import threshold_digit
 from vocabpar.wire.records import histogram
 
 
+def padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` ``[T, ...]`` as ``rows`` rows (zeros after it): a message of the fixed size. (A
+    concatenation, not a slice assignment: traced, it holds for a 1-row ``t`` too.)"""
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
+
+
 def threshold(local_histogram: Callable[[int, int, torch.Tensor, int], torch.Tensor], B: int,
               need: torch.Tensor | Callable, ranks: Ranks, rows: int, device: torch.device,
               search_bits: tuple[int, ...]) -> torch.Tensor:
@@ -32,8 +38,7 @@ def threshold(local_histogram: Callable[[int, int, torch.Tensor, int], torch.Ten
     shift = 32
     for bits in search_bits:
         top = 1 << bits  # the "above" column; the tokens below the bucket weigh nothing
-        hist = torch.zeros(rows, top + 1, dtype=torch.long, device=device)
-        hist[:B] = local_histogram(shift, bits, prefix, top)
+        hist = padded(local_histogram(shift, bits, prefix, top), rows)
         record = histogram(bits)
         got = record.unpack(ranks.sum(hist))
         counts, above = got.digits[:B], got.above[:B]

@@ -42,8 +42,9 @@ from vocabpar.sampling import sigma
 from vocabpar.sampling.acceptance import emitted
 from vocabpar.sampling.candidates import merged_max, round_one_fields
 from vocabpar.sampling.constraints import check_output_lens, held_back
-from vocabpar.sampling.failures import Check, Failures, Packed, rejected_input
-from vocabpar.sampling.fixed import DraftPairs, MaskedRows, padded
+from vocabpar.sampling.dense import padded
+from vocabpar.sampling.failures import Check, Failures, Packed, fold_problem, rejected_input
+from vocabpar.sampling.fixed import DraftPairs, MaskedRows
 from vocabpar.sampling.params import (
     ROW_CONSTRAINTS,
     ROW_FIELDS,
@@ -64,7 +65,7 @@ from vocabpar.sampling.semantics import (
     processed_logits,
     with_logprobs,
 )
-from vocabpar.sampling.stacked import stacked_index, stacked_rows
+from vocabpar.sampling.stacked import every_row_index, stacked_index, stacked_rows
 from vocabpar.wire.records import INPUT_WORDS, folded, round_one, score
 from vocabpar.wire.scripts import ENGINE_FACTS as FACTS
 from vocabpar.wire.scripts import (
@@ -97,11 +98,13 @@ class Batch:
     ``[FACTS]``; per row, ``row_facts`` of every per-row input of a ``sample`` call, padded to
     ``max_rows``, and ``row_params`` of the row's sampling parameters and position, padded to
     ``verify_rows``), and
-    what calls need from the host: which rows are ``greedy`` and the most top logprobs a row
-    asks (``top_n``)."""
+    what calls need from the host: whether some row samples (``any_sampled``) and the most top
+    logprobs a row asks (``top_n``). Nothing here holds the batch's size but its tensors, so a
+    compiled call serves every size of 2 to ``max_rows`` rows with one program (but ``verify``
+    of rows ``min_tokens`` holds back: their stacked exclusions are built on the host)."""
 
     rows: Rows
-    greedy: tuple[bool, ...]
+    any_sampled: bool
     top_n: int
     positions: torch.Tensor
     token_counts: TokenCounts | None
@@ -128,8 +131,8 @@ class Sampler:
     :mod:`vocabpar.wire.scripts`: every message of ``sample`` and ``token_logprobs`` carries
     ``max_rows`` rows. ``max_top_n``: the most top logprobs a call may ask.
 
-    ``verify`` stacks ``B·(k+1)`` target rows for ``k`` drafts per row, plus ``k`` draft rows
-    per sampled row when draft logits are given: ``B·(2k+1)`` at most. They must fit its row
+    ``verify`` stacks ``B·(k+1)`` target rows for ``k`` drafts per row, and ``B·(2k+1)`` when
+    draft logits are given and some row samples (every row's ``k`` draft rows). They must fit its row
     bound: ``max_rows`` itself, or with ``max_drafts=k`` given ``max_rows·(2k+1)``, which fits
     any prepared batch verifying up to ``k`` drafts per row (``verify``'s messages then carry
     that many rows). ``check``: fold the agreement check into each call's first collective (it
@@ -195,15 +198,19 @@ class Sampler:
         if bitmask is not None:
             check_bitmask(bitmask, B, V)
         fields = (*ROW_FIELDS, *ROW_CONSTRAINTS)
-        rows = replace(host, **{name: getattr(host, name).to(device) for name in fields
-                                if getattr(host, name) is not None},
-                       logprobs=None if host.logprobs is None else host.logprobs.to(device))
+        # each a unit-stride copy (a scalar parameter is an expanded view): one program for both
+        dense = torch.contiguous_format
+        rows = replace(host, **{name: getattr(host, name).clone(memory_format=dense).to(device)
+                                for name in (*fields, "logprobs") if getattr(host, name) is not None})
         counts = None if token_counts is None else token_counts.to(device)
         mask = None if bitmask is None else bitmask.to(device)
         pos = pos.to(device)
-        plan = self._plan(host)
         seen = [] if counts is None else [counts.ids, counts.counts] + (
             [] if counts.in_prompt is None else [counts.in_prompt.long()])
+        _any_rows(pos, mask, rows.logprobs, *(getattr(rows, name) for name in fields))
+        ragged = () if counts is None else (counts.ids, counts.counts, counts.in_prompt)
+        _any_rows(rows.bias_ids, rows.bias, *ragged, dims=(0, 1))  # the tokens a row has seen change
+        plan = self._plan(host)
         facts = [B, _crc(repr(plan)), params_fact(rows),
                  rows.logprobs if rows.logprobs is not None else -1, pos,
                  torch.cat([t.flatten() for t in seen] + [torch.zeros(0, dtype=torch.long, device=device)]),
@@ -215,7 +222,7 @@ class Sampler:
                              for drafts in (False, True))
         held = (params, check_output_lens(output_lens, B)) \
             if held_back(params.min_tokens, params.stop_token_ids, output_lens, B) else None
-        return Batch(rows, tuple(host.greedy.tolist()), host.top_n, pos, counts, mask, plan,
+        return Batch(rows, not bool(host.greedy.all()), host.top_n, pos, counts, mask, plan,
                      self._facts(facts, device), row_facts, row_params, verify_plans,
                      tuple(_crc(repr(p)) for p in verify_plans), held)
 
@@ -291,61 +298,63 @@ class Sampler:
                draft_logits: torch.Tensor | None = None) -> VerifyOutput:
         """:func:`~vocabpar.sampling.verify.verify` for a prepared batch: ``draft_tokens`` int64
         ``[B, k]``, this rank's target logits ``[B, k+1, columns]`` and optionally the draft's
-        ``[B, k, columns]`` (float32, bfloat16 or float16). The stacked rows -- ``B·(k+1)``, plus
-        ``k`` per sampled row with draft logits: ``B·(2k+1)`` at most -- must fit
-        :attr:`verify_rows` (``max_rows``, or ``max_rows·(2·max_drafts+1)``); else
-        ``ValueError`` naming them. ``accepted`` and ``tokens`` are views of ``packed``. No host
-        read; failures are flags."""
+        ``[B, k, columns]`` (float32, bfloat16 or float16; a greedy row's are not read, so an
+        infinite one there is no failure). The stacked rows -- ``B·(k+1)``, or ``B·(2k+1)`` with
+        draft logits and some sampled row -- must fit :attr:`verify_rows` (``max_rows``, or
+        ``max_rows·(2·max_drafts+1)``); else ``ValueError`` naming them. ``accepted`` and
+        ``tokens`` are views of ``packed``. No host read; failures are flags."""
         B, device, V = batch.size, batch.positions.device, self.layout.vocab_size
         if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dtype != torch.long \
                 or draft_tokens.dim() != 2 or draft_tokens.shape[0] != B:
             raise ValueError(f"Sampler.verify: draft_tokens must be int64 [{B}, k] (k drafts per row of the "
                              f"batch), got {describe(draft_tokens)}")
         k, R = draft_tokens.shape[1], self.ranks.ids.numel()
-        weigh = draft_logits is not None and k > 0
-        drafted = [b for b in range(B) if weigh and not batch.greedy[b]]
-        stacked = B * (k + 1) + len(drafted) * k
+        drafted = draft_logits is not None and k > 0 and batch.any_sampled  # every row's drafts join
+        stacked = B * (k + 1 + k * drafted)
         if stacked > self.verify_rows:
-            raise ValueError(self._too_many_rows(B, k, draft_logits is not None, len(drafted), stacked))
-        index, offset = stacked_index(B, k, drafted)
-        at = torch.tensor(index, dtype=torch.long, device=device)
-        given = [(target_logits, (B, k + 1, R), 5)] + [(draft_logits, (B, k, R), 6)] * bool(drafted)
+            raise ValueError(self._too_many_rows(B, k, draft_logits is not None, drafted, stacked))
+        at, offset = every_row_index(B, k, drafted, device)
+        given = [(target_logits, (B, k + 1, R), 5)] + [(draft_logits, (B, k, R), 6)] * drafted
         logits, problem, rejected = self._inputs(device, *given)
         raw = logits[0].reshape(B * (k + 1), R)
+        in_use = None  # the stacked rows whose outcome counts: a greedy row's draft rows do not
         if drafted:
-            draft = logits[1]
-            problem = _problem(problem, draft.isposinf().any(-1), 4)
-            raw = torch.cat([raw, draft[torch.tensor(drafted, device=device)].reshape(len(drafted) * k, R)])
-        problem = _problem(problem, (draft_tokens < 0) | (draft_tokens >= V), 2)
+            draft, sampled = logits[1], ~batch.rows.greedy
+            problem = fold_problem(problem, draft.isposinf().any(-1) & sampled[:, None], 4)
+            raw = torch.cat([raw, draft.reshape(B * k, R)])
+            in_use = torch.cat([torch.ones(B * (k + 1), dtype=torch.bool, device=device),
+                                sampled[:, None].expand(B, k).reshape(-1)])
+        problem = fold_problem(problem, (draft_tokens < 0) | (draft_tokens >= V), 2)
         drafts = draft_tokens.clamp(0, V - 1)
         rows = batch.rows.take(at)
         if batch.held is not None:  # min_tokens counts the draft positions: each stacked row's own exclusions
             params, lens = batch.held
-            cpu = (torch.tensor(index), torch.tensor(offset))
+            cpu = (torch.tensor(t) for t in stacked_index(B, k, list(range(B)) if drafted else []))
             rows = replace(rows, allowed=stacked_rows(params, B, V, *cpu, lens).allowed.to(device))
-        positions = batch.positions[at] + torch.tensor(offset, dtype=torch.long, device=device)
-        plan = batch.verify_plans[bool(drafted)]
+        positions = batch.positions[at] + offset
+        plan = batch.verify_plans[drafted]
         draft_fact, row_facts = 0, batch.row_params
         if self.check:
             draft_rows = row_fingerprints(draft_tokens)
             draft_fact = draft_rows.sum() & MASK62
             row_facts = (row_facts + padded(draft_rows, plan.rows)) & MASK62
         # the stacked rows' parameters and positions follow from the batch's, hashed in prepare
-        facts = self._facts([stacked, batch.verify_plan_words[bool(drafted)], batch.facts[2], -1,
-                             batch.facts[4], 0, 0, draft_fact, int(bool(drafted))], device)
+        facts = self._facts([stacked, batch.verify_plan_words[drafted], batch.facts[2], -1,
+                             batch.facts[4], 0, 0, draft_fact, int(drafted)], device)
         choice = self._choose(raw, rows, positions, plan, facts, row_facts, problem, rejected)
         drawn = choice.tokens[: B * (k + 1)].view(B, k + 1)
         accept = drafts == drawn[:, :k]
         pairs = None
         if drafted:
             pairs = DraftPairs(self.ranks, self.layout, plan.rows, choice, batch.rows, batch.positions,
-                               drafts, drafted)
+                               drafts)
             accept = torch.where(pairs.weighed, pairs.accept, accept)
         accepted = accept.long().cumprod(1).sum(1)
         last = drawn.gather(1, accepted[:, None])[:, 0]
         if pairs is not None:
             last = pairs.correct(last, accepted)
-        codes = torch.zeros(B, dtype=torch.long, device=device).scatter_reduce(0, at, choice.codes, "amax")
+        used = choice.codes if in_use is None else torch.where(in_use, choice.codes, 0)
+        codes = torch.zeros(B, dtype=torch.long, device=device).scatter_reduce(0, at, used, "amax")
         failed = (codes != 0) | choice.check.failed()
         accepted = torch.where(failed, 0, accepted)
         tokens = emitted(drafts, accepted, torch.where(failed, -1, last))
@@ -353,9 +362,9 @@ class Sampler:
                                              codes, choice.check, SAMPLE_FACTS)
         return VerifyOutput(**views, script=engine_sample_script(plan), failures=failures, packed=packed)
 
-    def _too_many_rows(self, B: int, k: int, with_logits: bool, sampled: int, stacked: int) -> str:
+    def _too_many_rows(self, B: int, k: int, with_logits: bool, drafted: bool, stacked: int) -> str:
         """The error of a verification whose stacked rows exceed :attr:`verify_rows`."""
-        rows = f"{B}·({k}+1) target rows" + (f" + {sampled}·{k} draft rows" if sampled else "")
+        rows = f"{B}·({k}+1) target rows" + (f" + {B}·{k} draft rows" if drafted else "")
         bound = f"max_rows={self.max_rows}" if self.max_drafts is None else (
             f"max_rows·(2·max_drafts+1) = {self.verify_rows} (max_rows={self.max_rows}, "
             f"max_drafts={self.max_drafts})")
@@ -381,7 +390,7 @@ class Sampler:
         if T > self.max_rows:
             raise ValueError(f"Sampler.token_logprobs: {T} rows exceed max_rows={self.max_rows}")
         (logits,), problem, rejected = self._inputs(device, (local_logits, (T, self.ranks.ids.numel()), 1))
-        problem = _problem(problem, (token_ids < 0) | (token_ids >= V), 3)
+        problem = fold_problem(problem, (token_ids < 0) | (token_ids >= V), 3)
         id_fact, row_facts = 0, torch.zeros(T, dtype=torch.long, device=device)
         if self.check:
             row_facts = row_fingerprints(token_ids[:, None])
@@ -475,14 +484,12 @@ class Sampler:
         return choice.sample(self.ranks, rows, positions, plan, first, best)
 
 
-def _problem(problem: torch.Tensor, bad: torch.Tensor, code: int) -> torch.Tensor:
-    """This rank's (code, row) ``problem`` with a bad-input mask ``[B, ...]`` folded in: the
-    first problem wins; its row is the first bad one. No host read."""
-    per_row = bad.reshape(bad.shape[0], -1).any(1)
-    any_bad = per_row.any()
-    first = per_row.long().argmax() if per_row.numel() else torch.tensor(0, device=bad.device)
-    new = torch.stack([torch.where(any_bad, code, 0), torch.where(any_bad, first, -1)])
-    return torch.where(problem[0] != 0, problem, new)
+def _any_rows(*tensors: torch.Tensor | None, dims: tuple[int, ...] = (0,)) -> None:
+    """Let a compiled call take ``tensors`` at any size along ``dims`` (the batch's rows) without
+    recompiling: a hint to ``torch.compile``, nothing else."""
+    for t in tensors:
+        for dim in dims if t is not None else ():
+            torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
 def _crc(text: str) -> int:

@@ -34,7 +34,7 @@ words say what it was."""
 
 RANK_PROBLEMS = {2: "passed a draft token outside [0, vocab_size)",
                  3: "passed a token id outside [0, vocab_size)",
-                 4: "passed draft logits holding +inf"}
+                 4: "passed draft logits holding +inf in a sampled row"}
 """The other per-rank codes of the folded check (0: the rank's input was fine)."""
 
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -263,3 +263,13 @@ class EngineResult:
         flags = fields.pop("flags")
         failures = self.failures.on_host(flags, values[packed.span("flags")])
         return dataclasses.replace(self, **fields, failures=failures, packed=packed)
+
+
+def fold_problem(problem: torch.Tensor, bad: torch.Tensor, code: int) -> torch.Tensor:
+    """This rank's (code, row) ``problem`` with a bad-input mask ``[B, ...]`` folded in: the
+    first problem wins; its row is the first bad one. No host read."""
+    per_row = bad.reshape(bad.shape[0], -1).any(1)
+    any_bad = per_row.any()
+    first = per_row.long().argmax() if per_row.numel() else torch.tensor(0, device=bad.device)
+    new = torch.stack([torch.where(any_bad, code, 0), torch.where(any_bad, first, -1)])
+    return torch.where(problem[0] != 0, problem, new)

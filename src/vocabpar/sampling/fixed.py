@@ -22,7 +22,7 @@ from vocabpar.kernels.fused import (
 )
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling.acceptance import correction, weigh
-from vocabpar.sampling.dense import threshold
+from vocabpar.sampling.dense import padded, threshold
 from vocabpar.sampling.failures import Check
 from vocabpar.sampling.merged import Merged, merge_candidates
 from vocabpar.sampling.params import Rows
@@ -40,13 +40,6 @@ from vocabpar.sampling.semantics import (
 )
 from vocabpar.wire.records import DRAW, Unpacked
 from vocabpar.wire.scripts import EnginePlan
-
-
-def padded(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """``t`` ``[T, ...]`` as ``rows`` rows (zeros after it): a message of the fixed size."""
-    out = t.new_zeros((rows, *t.shape[1:]))
-    out[: t.shape[0]] = t
-    return out
 
 
 @dataclass
@@ -166,23 +159,16 @@ class DraftPairs:
     ``(p - q)+`` by one all-gather of ``max_rows`` rows."""
 
     def __init__(self, ranks: Ranks, layout: VocabLayout, max_rows: int, choice: MaskedRows, rows: Rows,
-                 positions: torch.Tensor, drafts: torch.Tensor, drafted: list[int]) -> None:
+                 positions: torch.Tensor, drafts: torch.Tensor) -> None:
         B, k = drafts.shape
         device = drafts.device
         self.ranks, self.max_rows, self.choice, self.rows, self.positions, self.k = (
             ranks, max_rows, choice, rows, positions, k)
-        slot = [-1] * B
-        for s, b in enumerate(drafted):
-            slot[b] = s
-        pair_b = [b for b in range(B) for _ in range(k)]
-        pair_i = [i for _ in range(B) for i in range(k)]
-        # the draft row of a pair (the target row itself for rows without a draft: never weighed)
-        draft_row = [B * (k + 1) + slot[b] * k + i if slot[b] >= 0 else b * (k + 1) + i
-                     for b, i in zip(pair_b, pair_i)]
-        self.target_rows = torch.tensor([b * (k + 1) + i for b, i in zip(pair_b, pair_i)], device=device)
-        self.draft_rows = torch.tensor(draft_row, device=device)
-        has_draft = torch.tensor([s >= 0 for s in slot], device=device)
-        self.weighed = choice.sampled[: B * (k + 1)].view(B, k + 1)[:, :k] & has_draft[:, None]
+        # pair (b, i): target row b·(k+1) + i, draft row B·(k+1) + b·k + i (every row is stacked)
+        pair = torch.arange(B * k, device=device)
+        self.target_rows = pair + pair // k  # b·k + i -> b·(k+1) + i
+        self.draft_rows = pair + B * (k + 1)
+        self.weighed = choice.sampled[: B * (k + 1)].view(B, k + 1)[:, :k]
         cols, owned = layout.local_ids(drafts.reshape(-1), ranks.me)
         cols, owned = cols.to(device), owned.to(device)
         seeds = rows.seed[:, None].expand(B, k).reshape(-1)

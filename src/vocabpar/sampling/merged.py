@@ -93,6 +93,12 @@ class Merged:
         return best_kept(self.cand, self.cand_id, lower, self.temperature, self.min_z, self.keys)
 
 
+def side_by_side(per_rank: torch.Tensor) -> torch.Tensor:
+    """``[n, B, c]`` as ``[B, n·c]``: each row's entries from every rank, in rank order (a
+    concatenation, the same program for any ``B``, one row included)."""
+    return torch.cat(per_rank.unbind(0), 1)
+
+
 def merge_candidates(values: torch.Tensor, ids: torch.Tensor, rows: Rows, positions: torch.Tensor,
                      sampled: torch.Tensor, best: torch.Tensor, real_counts: tuple[int, ...],
                      vocab_size: int) -> Merged:
@@ -102,8 +108,7 @@ def merge_candidates(values: torch.Tensor, ids: torch.Tensor, rows: Rows, positi
     n, B, c = values.shape
     t = torch.where(sampled, rows.temperature, 1.0)
     z_max = torch.where(sampled, best / t, 0.0)
-    cand = values.permute(1, 0, 2).reshape(B, n * c)
-    cand_id = ids.permute(1, 0, 2).reshape(B, n * c)
+    cand, cand_id = side_by_side(values), side_by_side(ids)
     keys = torch.where(cand_id >= 0, order_key(cand.float()), PAD_KEY)
     key_sorted, key_order = keys.sort(1, descending=True)
     unsent = torch.tensor([[c < count] for count in real_counts], device=values.device)

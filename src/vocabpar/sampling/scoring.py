@@ -11,7 +11,9 @@ Two collectives per call, whatever V:
 2. all-reduce of :data:`vocabpar.wire.records.LARGER`, one int64 per row: how many of the
    shard's tokens have a strictly larger logit than the scored one.
 
-Rows are processed locally in blocks of ``ROW_BLOCK`` so the float64 temporaries stay small.
+Eager, rows are processed locally in blocks of ``ROW_BLOCK`` so the float64 temporaries stay
+small; compiled, in one block (the program may not depend on the row count): an engine's
+``max_rows`` then bounds the temporaries, ``[max_rows, columns]``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from vocabpar import comm
 from vocabpar.kernels.fused import rank_keys
 from vocabpar.layout import VocabLayout
 from vocabpar.sampling.failures import EngineResult, Failures, Packed
+from vocabpar.sampling.merged import side_by_side
 from vocabpar.sampling.semantics import NEG_INF, rank_key
 from vocabpar.wire.records import LARGER, Unpacked, score
 from vocabpar.wire.scripts import Script
@@ -134,8 +137,7 @@ def merged_scores(logits: torch.Tensor, ids: torch.Tensor, got: Unpacked,
         S = S + torch.where(shard_max[r] == NEG_INF, 0.0, shard_sum[r] * torch.exp(shard_max[r] - M))
     log_s = torch.log(S)
     larger = LARGER.unpack(sum_over_ranks(LARGER.pack(count=_count_larger(logits, ids, chosen)))).count
-    vals = got.values.permute(1, 0, 2).reshape(T, n * top_n)  # ranks x candidates (T may be 0)
-    cand = got.ids.permute(1, 0, 2).reshape(T, n * top_n)
+    vals, cand = side_by_side(got.values), side_by_side(got.ids)  # ranks x candidates (T may be 0)
     top = rank_key(vals.float(), cand).topk(top_n, 1).indices
     return TokenLogprobs(((chosen - M) - log_s).float(), larger + 1, cand.gather(1, top),
                          ((vals.gather(1, top) - M[:, None]) - log_s[:, None]).float())
@@ -147,39 +149,43 @@ def _local_stats(logits: torch.Tensor, ids: torch.Tensor, col: torch.Tensor, own
     +inf is present), sum of exp(x - max), the owned scored logit (else -inf), top-n values then
     their ids (-1 = none). ``logits``: ``[T, columns]``; ``ids``: ``[columns]``; ``col``,
     ``owned``: ``[T]``."""
-    T, R = logits.shape
-    f64 = torch.empty(T, 3 + top_n, dtype=torch.float64, device=logits.device)
-    top_ids = torch.full((T, top_n), -1, dtype=torch.long, device=logits.device)
     real = ids >= 0
-    for start in range(0, T, ROW_BLOCK):
-        rows = slice(start, min(start + ROW_BLOCK, T))
-        x = torch.where(real, logits[rows], NEG_INF)
-        invalid = (x.isnan() | (x == float("inf"))).any(1)
-        top = x.max(1).values.double() if R else torch.full((x.shape[0],), NEG_INF, dtype=torch.float64)
-        total = torch.exp(x.double() - top[:, None]).nan_to_num(0.0).sum(1)  # -inf rows: 0
-        f64[rows, 0] = torch.where(invalid, float("nan"), top)
-        f64[rows, 1] = total
-        if R:
-            picked = x.gather(1, col[rows].clamp(max=R - 1)[:, None])[:, 0].double()
-            f64[rows, 2] = torch.where(owned[rows], picked, NEG_INF)
-        else:
-            f64[rows, 2] = NEG_INF
-        m = min(top_n, R)
-        f64[rows, 3:] = NEG_INF
-        if m:
-            best = rank_keys(x, ids).topk(m, 1).indices
-            f64[rows, 3: 3 + m] = x.gather(1, best).double()
-            top_ids[rows, :m] = ids[best]
-    return score(top_n).pack(max=f64[:, 0], sum_exp=f64[:, 1], chosen=f64[:, 2], values=f64[:, 3:],
-                             ids=top_ids)
+    blocks = [_block_stats(torch.where(real, logits[rows], NEG_INF), ids, col[rows], owned[rows], top_n)
+              for rows in _blocks(logits.shape[0])]
+    return torch.cat(blocks)
+
+
+def _block_stats(x: torch.Tensor, ids: torch.Tensor, col: torch.Tensor, owned: torch.Tensor,
+                 top_n: int) -> torch.Tensor:
+    """:func:`_local_stats` of one block of rows, ``x`` ``[rows, columns]`` with -inf at padding."""
+    rows, R = x.shape
+    f64, device = torch.float64, x.device
+    invalid = (x.isnan() | (x == float("inf"))).any(1)
+    top = x.max(1).values.double() if R else torch.full((rows,), NEG_INF, dtype=f64, device=device)
+    total = torch.exp(x.double() - top[:, None]).nan_to_num(0.0).sum(1)  # -inf rows: 0
+    chosen = torch.full((rows,), NEG_INF, dtype=f64, device=device)
+    if R:
+        chosen = torch.where(owned, x.gather(1, col.clamp(max=R - 1)[:, None])[:, 0].double(), NEG_INF)
+    m = min(top_n, R)
+    best = rank_keys(x, ids).topk(m, 1).indices if m else x.new_zeros((rows, 0), dtype=torch.long)
+    short = (rows, top_n - m)  # fewer columns than top_n: -inf values, id -1
+    values = torch.cat([x.gather(1, best).double(), torch.full(short, NEG_INF, dtype=f64, device=device)], 1)
+    top_ids = torch.cat([ids[best], torch.full(short, -1, dtype=torch.long, device=device)], 1)
+    return score(top_n).pack(max=torch.where(invalid, float("nan"), top), sum_exp=total, chosen=chosen,
+                             values=values, ids=top_ids)
 
 
 def _count_larger(logits: torch.Tensor, ids: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     """Per row, how many of this shard's tokens have a logit strictly larger than ``chosen``."""
-    T = logits.shape[0]
-    out = torch.zeros(T, dtype=torch.long, device=logits.device)
     real = ids >= 0
-    for start in range(0, T, ROW_BLOCK):
-        rows = slice(start, min(start + ROW_BLOCK, T))
-        out[rows] = ((logits[rows].double() > chosen[rows, None]) & real).sum(1)
-    return out
+    return torch.cat([((logits[rows].double() > chosen[rows, None]) & real).sum(1)
+                      for rows in _blocks(logits.shape[0])])
+
+
+def _blocks(T: int) -> list[slice]:
+    """The row blocks of a ``T``-row pass: ``ROW_BLOCK`` rows each, or one block when compiled
+    (Inductor fuses the float64 temporaries into the reductions, and a program must not depend
+    on the number of rows) or when ``T <= ROW_BLOCK`` (``T = 0`` included)."""
+    if torch.compiler.is_compiling() or T <= ROW_BLOCK:
+        return [slice(None)]
+    return [slice(start, min(start + ROW_BLOCK, T)) for start in range(0, T, ROW_BLOCK)]

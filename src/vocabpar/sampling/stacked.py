@@ -1,6 +1,8 @@
 """Verification's stacked rows: the target's ``B·(k+1)`` (row ``b``, position ``i`` at ``b·(k+1)
 + i``), then the draft's ``k`` per drafted row, with the batch's parameters repeated at each
-position, where ``min_tokens`` counts the tokens produced before the drafts plus the position."""
+position, where ``min_tokens`` counts the tokens produced before the drafts plus the position.
+The adaptive schedule drafts the sampled rows only (host lists); the fixed one every row (device
+arithmetic on the batch's size, so one compiled program serves every size)."""
 
 from __future__ import annotations
 
@@ -25,3 +27,13 @@ def stacked_index(batch: int, k: int, drafted: list[int]) -> tuple[list[int], li
     index = [b for b in range(batch) for _ in range(k + 1)] + [b for b in drafted for _ in range(k)]
     offset = [i for _ in range(batch) for i in range(k + 1)] + [i for _ in drafted for i in range(k)]
     return index, offset
+
+
+def every_row_index(batch: int, k: int, drafted: bool,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`stacked_index` with every row drafted (``drafted``) or none, as int64 device tensors."""
+    rows = torch.arange(batch, device=device)[:, None]
+    blocks = (k + 1,) + (k,) * drafted  # the target's positions, then the draft's
+    index = [rows.expand(batch, n).reshape(-1) for n in blocks]
+    offset = [torch.arange(n, device=device).repeat(batch) for n in blocks]
+    return torch.cat(index), torch.cat(offset)

@@ -63,7 +63,7 @@ class Record:
         columns = []
         for f in self.fields:
             part = parts[f.name]
-            part = part.double().contiguous().view(torch.long) if f.real else part.long()
+            part = part.double().view(torch.long) if f.real else part.long()
             columns.append(part.reshape(part.shape[0], f.words))
         return torch.cat(columns, 1)
 
@@ -75,7 +75,7 @@ class Record:
         out, start = {}, 0
         for f in self.fields:
             part = words[..., start: start + f.words]
-            part = part.contiguous().view(torch.float64) if f.real else part
+            part = part.view(torch.float64) if f.real else part  # the same strides: no copy
             out[f.name] = part[..., 0] if f.width is None else part
             start += f.words
         return Unpacked(**out)
