@@ -27,9 +27,9 @@ def sampler() -> Sampler:
     return Sampler(VocabLayout(V, 1), max_rows=8, max_top_n=3)
 
 
-def _batch(sampler: Sampler, params: dict, seed: int, rows: int = B):
+def _batch(sampler: Sampler, params: dict, seed: int, rows: int = B, **given):
     params = SamplingParams(seed=[seed + b for b in range(rows)], **params)
-    return sampler.prepare(params, positions=torch.arange(rows))
+    return sampler.prepare(params, positions=torch.arange(rows), **given)
 
 
 def _any_rows(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -74,8 +74,9 @@ def test_token_logprobs_is_one_graph_equal_to_eager(sampler):
             assert torch.equal(got.packed.words, score(logits, ids).packed.words)
 
 
-@pytest.mark.parametrize("with_draft_logits", [False, True])
-def test_verify_is_one_graph_equal_to_eager(with_draft_logits):
+@pytest.mark.parametrize("with_draft_logits, holding", [(False, False), (True, False), (True, True)])
+def test_verify_is_one_graph_equal_to_eager(with_draft_logits, holding):
+    """``holding``: min_tokens holds back some rows' stop ids, at some draft positions only."""
     torch._dynamo.reset()
     k = 2
     sampler = Sampler(VocabLayout(V, 1), max_rows=B, max_drafts=k)
@@ -92,7 +93,11 @@ def test_verify_is_one_graph_equal_to_eager(with_draft_logits):
             drafts = torch.randint(0, V, (rows, k), generator=g)
             _any_rows(target, drafts, *[draft_logits] * with_draft_logits)
             temperature = [0.0 if (b + rows) % 3 == 0 else 0.8 for b in range(rows)]
-            batch = _batch(sampler, {**PLANS["certified"], "temperature": temperature}, rows, rows)
+            held = {"min_tokens": 3, "stop_token_ids": [5, 9]} if holding else {}
+            lens = {"output_lens": torch.arange(rows) % 4} if holding else {}
+            batch = _batch(sampler, {**PLANS["certified"], "temperature": temperature, **held}, rows, rows,
+                           **lens)
+            assert (batch.held is not None) == holding
             with torch._dynamo.config.patch(error_on_recompile=rows != B):
                 got = compiled(target, batch, drafts, draft_logits)
             assert torch.equal(got.packed.words, verify(target, batch, drafts, draft_logits).packed.words)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -116,6 +117,39 @@ def held_back(min_tokens: object, stop_token_ids: object, output_lens: object, b
                          f"row has produced)")
     lens = check_output_lens(output_lens, batch) if held else None
     return [r for r in held if int(lens[r]) < least[r]]
+
+
+@dataclass(frozen=True)
+class HeldStops:
+    """A batch's ``min_tokens`` exclusions as device tensors, for rows any number of tokens on:
+    per row the ids it may sample but for ``min_tokens`` (``allowed``) and its stop ids
+    (``stops``), int32 bitmasks ``[B, words]``; its ``min_tokens`` (``least``) and
+    ``output_lens`` (``lens``), int64 ``[B]``."""
+
+    allowed: torch.Tensor
+    stops: torch.Tensor
+    least: torch.Tensor
+    lens: torch.Tensor
+
+    def at(self, index: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        """The bitmask of the ids rows ``index`` may sample ``offset`` tokens on (both int64
+        ``[S]``): a row's stop ids stay out while ``output_lens + offset < min_tokens``."""
+        still = self.lens[index] + offset < self.least[index]
+        return self.allowed[index] & ~torch.where(still[:, None], self.stops[index], 0)
+
+
+def held_stops(allowed_token_ids: object, min_tokens: object, stop_token_ids: object, output_lens: object,
+               batch: int, vocab_size: int, device: torch.device) -> HeldStops | None:
+    """:class:`HeldStops` on ``device`` of a batch holding back some row's stop ids, else ``None``."""
+    if not held_back(min_tokens, stop_token_ids, output_lens, batch):
+        return None
+    lens = check_output_lens(output_lens, batch)
+    allowed = allowed_bits(allowed_token_ids, 0, None, None, batch, vocab_size)
+    if allowed is None:
+        allowed = pack_bits(torch.ones(batch, vocab_size, dtype=torch.bool))
+    no_stops = allowed_bits(None, 1, stop_token_ids, torch.zeros_like(lens), batch, vocab_size)
+    least = torch.tensor(per_row("min_tokens", min_tokens, batch, int), dtype=torch.long)
+    return HeldStops(allowed.to(device), (~no_stops).to(device), least.to(device), lens.to(device))
 
 
 def check_output_lens(output_lens: object, batch: int) -> torch.Tensor:

@@ -41,7 +41,7 @@ from vocabpar.plan.machine import link
 from vocabpar.sampling import sigma
 from vocabpar.sampling.acceptance import emitted
 from vocabpar.sampling.candidates import merged_max, round_one_fields
-from vocabpar.sampling.constraints import check_output_lens, held_back
+from vocabpar.sampling.constraints import HeldStops, held_stops
 from vocabpar.sampling.dense import padded
 from vocabpar.sampling.failures import Check, Failures, Packed, fold_problem, rejected_input
 from vocabpar.sampling.fixed import DraftPairs, MaskedRows
@@ -65,7 +65,7 @@ from vocabpar.sampling.semantics import (
     processed_logits,
     with_logprobs,
 )
-from vocabpar.sampling.stacked import every_row_index, stacked_index, stacked_rows
+from vocabpar.sampling.stacked import every_row_index
 from vocabpar.wire.records import INPUT_WORDS, folded, round_one, score
 from vocabpar.wire.scripts import ENGINE_FACTS as FACTS
 from vocabpar.wire.scripts import (
@@ -100,8 +100,7 @@ class Batch:
     ``verify_rows``), and
     what calls need from the host: whether some row samples (``any_sampled``) and the most top
     logprobs a row asks (``top_n``). Nothing here holds the batch's size but its tensors, so a
-    compiled call serves every size of 2 to ``max_rows`` rows with one program (but ``verify``
-    of rows ``min_tokens`` holds back: their stacked exclusions are built on the host)."""
+    compiled call serves every size of 2 to ``max_rows`` rows with one program."""
 
     rows: Rows
     any_sampled: bool
@@ -116,9 +115,9 @@ class Batch:
     verify_plans: tuple[EnginePlan, EnginePlan]
     """The plan of a ``verify`` call without and with draft logits, and its check word (below)."""
     verify_plan_words: tuple[int, int]
-    held: tuple[SamplingParams, torch.Tensor] | None = None
-    """The parameters and ``output_lens`` (on the host) of a batch holding back some row's stop
-    ids (``min_tokens``), which verification recomputes per draft position on the host."""
+    held: HeldStops | None = None
+    """The ``min_tokens`` exclusions of a batch holding back some row's stop ids, which
+    verification recomputes per draft position."""
 
     @property
     def size(self) -> int:
@@ -220,8 +219,9 @@ class Sampler:
         # verify's stacked rows repeat the plan in verify_rows rows; its check word is hashed on the host
         verify_plans = tuple(replace(plan, rows=self.verify_rows, top_n=None, drafts=drafts)
                              for drafts in (False, True))
-        held = (params, check_output_lens(output_lens, B)) \
-            if held_back(params.min_tokens, params.stop_token_ids, output_lens, B) else None
+        held = held_stops(params.allowed_token_ids, params.min_tokens, params.stop_token_ids,
+                          output_lens, B, V, device)
+        _any_rows(*(vars(held).values() if held is not None else ()))
         return Batch(rows, not bool(host.greedy.all()), host.top_n, pos, counts, mask, plan,
                      self._facts(facts, device), row_facts, row_params, verify_plans,
                      tuple(_crc(repr(p)) for p in verify_plans), held)
@@ -328,9 +328,7 @@ class Sampler:
         drafts = draft_tokens.clamp(0, V - 1)
         rows = batch.rows.take(at)
         if batch.held is not None:  # min_tokens counts the draft positions: each stacked row's own exclusions
-            params, lens = batch.held
-            cpu = (torch.tensor(t) for t in stacked_index(B, k, list(range(B)) if drafted else []))
-            rows = replace(rows, allowed=stacked_rows(params, B, V, *cpu, lens).allowed.to(device))
+            rows = replace(rows, allowed=batch.held.at(at, offset))
         positions = batch.positions[at] + offset
         plan = batch.verify_plans[drafted]
         draft_fact, row_facts = 0, batch.row_params
