@@ -230,6 +230,15 @@ def _failures(n: int) -> dict:
     if last:
         drafts[2, 1] = V + 5
     seen["draft id"] = message(verifier.verify(target, batch, drafts))
+    drafting = Sampler(layout, max_rows=3, max_drafts=K)  # a greedy row's draft logits are not read
+    batch = drafting.prepare(dataclasses.replace(_params("top-p 0.9", 3), temperature=[0.0, 0.9, 0.9]),
+                             positions=torch.arange(3))
+    draft = _shard(FAMILIES["flat"][:9].reshape(3, K, V), layout).clone()
+    draft[0, 1, 0] = float("inf") if last else draft[0, 1, 0]
+    drafts = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    seen["greedy draft +inf"] = message(drafting.verify(target, batch, drafts, draft))
+    draft[1, 0, 0] = float("inf") if last else draft[1, 0, 0]
+    seen["sampled draft +inf"] = message(drafting.verify(target, batch, drafts, draft))
     batch = sampler.prepare(_params("top-p 0.9", B), positions=torch.arange(B))
     seen["afterwards"] = sampler.sample(flat, batch).tokens
     return seen
@@ -423,6 +432,10 @@ def test_failures_are_flags_raised_alike_on_every_rank(engine):
         f"with reference_sample")}
     draft_id = {s["draft id"] for s in seen}
     assert len(draft_id) == 1 and f"rank {n - 1} passed a draft token outside" in draft_id.pop()
+    assert {s["greedy draft +inf"] for s in seen} == {"no error"}
+    infinite = {s["sampled draft +inf"] for s in seen}
+    assert len(infinite) == 1
+    assert f"rank {n - 1} passed draft logits holding +inf in a sampled row" in infinite.pop()
     ref = reference_sample(FAMILIES["flat"][:6], _params("top-p 0.9", 6), positions=torch.arange(6)).tokens
     assert all(torch.equal(s["afterwards"], ref) for s in seen)
 
