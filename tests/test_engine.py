@@ -239,6 +239,11 @@ def _failures(n: int) -> dict:
     seen["greedy draft +inf"] = message(drafting.verify(target, batch, drafts, draft))
     draft[1, 0, 0] = float("inf") if last else draft[1, 0, 0]
     seen["sampled draft +inf"] = message(drafting.verify(target, batch, drafts, draft))
+    # min_tokens state that only later draft positions read: row 1 produced 2 tokens, or 1 on the last rank
+    held = dataclasses.replace(_params("top-p 0.9", 3), min_tokens=4, stop_token_ids=[5])
+    lens = torch.tensor([0, 1 if last else 2, 0])
+    batch = verifier.prepare(held, positions=torch.arange(3), output_lens=lens)
+    seen["output_lens row"] = message(verifier.verify(target, batch, drafts))
     batch = sampler.prepare(_params("top-p 0.9", B), positions=torch.arange(B))
     seen["afterwards"] = sampler.sample(flat, batch).tokens
     return seen
@@ -411,7 +416,8 @@ def test_failures_are_flags_raised_alike_on_every_rank(engine):
     for name, what, rank, row in (("positions", "positions", 1, 0),
                                   ("parameter row", "sampling parameters", n - 1, 3),
                                   ("draft row", "draft tokens", n - 1, 2),
-                                  ("token id row", "token ids", n - 1, 4)):
+                                  ("token id row", "token ids", n - 1, 4),
+                                  ("output_lens row", "sampling parameters", n - 1, 1)):
         texts = {s[name] for s in seen}
         assert len(texts) == 1
         named = (f"ranks disagree on {what} (rank {rank} differs from rank 0 first at row {row}; they must "

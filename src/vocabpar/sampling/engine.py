@@ -210,18 +210,22 @@ class Sampler:
         ragged = () if counts is None else (counts.ids, counts.counts, counts.in_prompt)
         _any_rows(rows.bias_ids, rows.bias, *ragged, dims=(0, 1))  # the tokens a row has seen change
         plan = self._plan(host)
-        facts = [B, _crc(repr(plan)), params_fact(rows),
+        held = held_stops(params.allowed_token_ids, params.min_tokens, params.stop_token_ids,
+                          output_lens, B, V, device)
+        held_rows = [] if held is None else list(vars(held).values())  # what verify's later positions read
+        _any_rows(*held_rows)
+        # the min_tokens state counts as sampling parameters (named field by field when it is absent)
+        sampling = torch.cat([params_fact(rows), *[t.flatten().long() for t in held_rows]]) if held_rows \
+            else params_fact(rows)
+        facts = [B, _crc(repr(plan)), sampling,
                  rows.logprobs if rows.logprobs is not None else -1, pos,
                  torch.cat([t.flatten() for t in seen] + [torch.zeros(0, dtype=torch.long, device=device)]),
                  mask if mask is not None else 0]
         row_inputs = seen + [t for t in (rows.logprobs, mask) if t is not None]
-        row_params, row_facts = self._row_facts(rows, pos, row_inputs)
+        row_params, row_facts = self._row_facts(rows, pos, row_inputs, held_rows)
         # verify's stacked rows repeat the plan in verify_rows rows; its check word is hashed on the host
         verify_plans = tuple(replace(plan, rows=self.verify_rows, top_n=None, drafts=drafts)
                              for drafts in (False, True))
-        held = held_stops(params.allowed_token_ids, params.min_tokens, params.stop_token_ids,
-                          output_lens, B, V, device)
-        _any_rows(*(vars(held).values() if held is not None else ()))
         return Batch(rows, not bool(host.greedy.all()), host.top_n, pos, counts, mask, plan,
                      self._facts(facts, device), row_facts, row_params, verify_plans,
                      tuple(_crc(repr(p)) for p in verify_plans), held)
@@ -243,16 +247,17 @@ class Sampler:
                  else torch.tensor(int(f), device=device) for f in facts]
         return torch.stack(words + [torch.tensor(0, device=device)] * (FACTS - len(words)))
 
-    def _row_facts(self, rows: Rows, positions: torch.Tensor,
-                   seen: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row, the fingerprint of its sampling parameters and position (``[verify_rows]``)
-        and of those with every other per-row input in ``seen`` (``[max_rows]``), 0 past the
-        batch; zeros when the check is off."""
+    def _row_facts(self, rows: Rows, positions: torch.Tensor, seen: list[torch.Tensor],
+                   held: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, the fingerprint of its sampling parameters, position and ``held`` (the
+        ``min_tokens`` state verification reads, ``[B, ...]`` each) (``[verify_rows]``), and of
+        those with every other per-row input in ``seen`` (``[max_rows]``), 0 past the batch;
+        zeros when the check is off."""
         B = positions.shape[0]
         if not self.check:
             zeros = torch.zeros(self.verify_rows, dtype=torch.long, device=positions.device)  # >= max_rows
             return zeros, zeros[: self.max_rows]
-        core = row_fingerprints(param_words(rows), positions[:, None])
+        core = row_fingerprints(param_words(rows), positions[:, None], *[t.reshape(B, -1) for t in held])
         every = (core + row_fingerprints(*[t.reshape(B, -1) for t in seen])) & MASK62 if seen else core
         return padded(core, self.verify_rows), padded(every, self.max_rows)
 
