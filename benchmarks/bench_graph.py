@@ -25,47 +25,45 @@ from vocabpar.layout import VocabLayout
 from vocabpar.plan import host
 from vocabpar.plan.machine import link
 from vocabpar.presets import preset
+from vocabpar.wire.filters import Sampling
 from vocabpar.wire.scripts import choose_search_bits, engine_plan, engine_sample_script, price
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import bottom_line, fmt_bytes, show, sized, table  # noqa: E402
 
 RANKS, ROWS = 8, sized(256, 16)
-PLANS = {  # name: (sampler key, (top_k, top_p, min_p), kernel budget)
-    "greedy": (host.SamplerKey(True), None, 10),
-    "T0.8 / k50 / p0.95 / min-p 0.05": (host.SamplerKey(False, "candidates", True, True), (50, 0.95, 0.05),
-                                        30),
-    "top-p 0.9": (host.SamplerKey(False, "none", True, False), (0, 0.9, 0.0), 48),
-    "top-k 1000": (host.SamplerKey(False, "search", False, False), (1000, 1.0, 0.0), 48),
-    "min-p 0.1": (host.SamplerKey(False, "none", False, True), (0, 1.0, 0.1), 48),
+PLANS = {  # name: (sampling, kernel budget)
+    "greedy": (Sampling(), 10),
+    "T0.8 / k50 / p0.95 / min-p 0.05": (Sampling(0.8, top_k=50, top_p=0.95, min_p=0.05), 30),
+    "top-p 0.9": (Sampling(1.0, top_p=0.9), 48),
+    "top-k 1000": (Sampling(1.0, top_k=1000), 48),
+    "min-p 0.1": (Sampling(1.0, min_p=0.1), 48),
 }
 
 
-def script_of(filters: tuple[int, float, float] | None, vocab: int) -> tuple[int, int]:
-    """(collectives, bytes each rank receives) of a ``sample`` call of ``ROWS`` rows."""
+def script_of(s: Sampling, vocab: int) -> tuple[str, int, int]:
+    """The host-work entry, collectives and bytes each rank receives of a ``sample`` call of
+    ``ROWS`` rows sampling as ``s``."""
     widest = VocabLayout(vocab, RANKS).shard_width
-    greedy = filters is None
-    top_k, top_p, min_p = filters or (0, 1.0, 0.0)
-    plan = engine_plan(ROWS, RANKS, widest, vocab, greedy=[greedy] * ROWS, top_k=[top_k] * ROWS,
-                       top_p=[top_p] * ROWS, min_p=[min_p] * ROWS,
+    plan = engine_plan(ROWS, RANKS, widest, vocab, greedy=[s.greedy], values=s.values(),
                        search_bits=choose_search_bits(ROWS, RANKS, *link("cuda", None, None)))
     traffic = price(engine_sample_script(plan), RANKS)
-    return traffic.collectives, traffic.bytes
+    return s.key(vocab, s.candidates(RANKS, widest)), traffic.collectives, traffic.bytes
 
 
 def main() -> None:
     vocab = preset("llama-3.1-70b").vocab_size
     rows, over_budget = [], []
-    for name, (key, filters, budget) in PLANS.items():
-        kernels = host.entry("engine_graph", key.name)[0]
-        eager = host.entry("engine", key.name)[0]
-        collectives, received = script_of(filters, vocab)
-        reads = host.entry("engine", key.name)[1]
+    for name, (sampling, budget) in PLANS.items():
+        key, collectives, received = script_of(sampling, vocab)
+        kernels = host.entry("engine_graph", key)[0]
+        eager = host.entry("engine", key)[0]
+        reads = host.entry("engine", key)[1]
         rows.append([f"sample: {name}", str(kernels), str(budget), str(eager), str(reads), str(collectives),
                      fmt_bytes(received)])
         over_budget += [name] * (kernels > budget)
     for name, draft in (("verify, one-hot drafts", False), ("verify, draft logits", True)):
-        key = PLANS["T0.8 / k50 / p0.95 / min-p 0.05"][0]
+        key = script_of(PLANS["T0.8 / k50 / p0.95 / min-p 0.05"][0], vocab)[0]
         kernels = host.entry("engine_graph_verify", host.verify_name(key, draft))[0]
         eager = host.entry("engine_verify", host.verify_name(key, draft))[0]
         reads = host.entry("engine_verify", host.verify_name(key, draft))[1]

@@ -36,7 +36,7 @@ from vocabpar import SamplingParams, VocabLayout, comm, sample
 from vocabpar.kernels import fused
 from vocabpar.launch import run
 from vocabpar.sampling import Sampler, search
-from vocabpar.wire.scripts import candidate_count
+from vocabpar.wire.filters import candidate_count
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_sampling as bs  # noqa: E402
@@ -180,7 +180,7 @@ def _calls(names: tuple[str, ...]) -> dict:
         for alternative, (module, constant, values, *_) in ALTERNATIVES.items():
             out[name, alternative] = _side_by_side(paths[0][1], module, constant, values)
     real = layout.local_token_ids(comm.rank()) >= 0
-    c = candidate_count(bs.N, int(real.sum()), top_k=0, top_p=True, min_p=False)
+    c = candidate_count(bs.N, int(real.sum()), {"top_p": [0.9]})
     peaked = bs._logits("peaked", layout)
     out["select"] = (c, *_select(peaked, real, c))
     out["checks"] = _checks(peaked, real, c)

@@ -14,8 +14,9 @@ sample of the entries and fails when the file has gone stale.
 compiled whole (``torch.compile(fullgraph=True)``, Inductor), per sampler key on two ranks: the
 tables graph mode prices; and of its greedy ``sample`` with top-5 logprobs and its
 ``token_logprobs`` with top 5. Inductor lowers each program and writes its source, which is counted;
-nothing is built or run. About a minute per program on two cores (some forty programs); without
-``--compiled`` the file's compiled tables are kept as they are.
+nothing is built or run. About a minute per program on two cores (some seventy programs); without
+``--compiled`` the file's compiled tables are kept as they are, and only the keys they lack (a
+filter added since, :mod:`vocabpar.wire.filters`) are compiled and counted.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch  # noqa: E402
 
 from vocabpar.launch import run  # noqa: E402
 from vocabpar.plan import host  # noqa: E402
+from vocabpar.wire import filters  # noqa: E402
 
 COUNTING = (
     "A launch is an ATen operation that does work, counted by a TorchDispatchMode: views, "
@@ -55,17 +57,19 @@ COUNTING = (
 COMPILED = ("engine_graph", "engine_graph_verify", "engine_graph_score")
 
 
-def compiled_tables() -> dict[str, dict[str, list[int]]]:
-    """The compiled programs' kernels per sampler key, measured now (one launch per key)."""
+def compiled_tables(keys: tuple[str, ...], scores: bool = True) -> dict[str, dict[str, list[int]]]:
+    """The compiled programs' kernels for each sampler key of ``keys`` (one launch per key) and,
+    with ``scores``, of the scoring programs, measured now."""
     out: dict[str, dict[str, list[int]]] = {table: {} for table in COMPILED}
-    for key in host.SAMPLER_KEYS:
+    for key in keys:
         ranks = run(host_probe.measure_compiled, 2, host_probe.B, (key,), timeout=900, run_timeout=3600)
         for entry in ranks[0]["engine"]:
             table, name = (COMPILED[1], host.verify_name(*entry)) if isinstance(entry, tuple) else \
-                (COMPILED[0], entry.name)
+                (COMPILED[0], entry)
             out[table][name] = [max(rank["engine"][entry] for rank in ranks)]
-    ranks = run(host_probe.measure_compiled_scores, 2, host_probe.B, timeout=900, run_timeout=3600)
-    out[COMPILED[2]] = {name: [max(rank[name] for rank in ranks)] for name in ranks[0]}
+    if scores:
+        ranks = run(host_probe.measure_compiled_scores, 2, host_probe.B, timeout=900, run_timeout=3600)
+        out[COMPILED[2]] = {name: [max(rank[name] for rank in ranks)] for name in ranks[0]}
     return out
 
 
@@ -106,17 +110,23 @@ def main(argv: list[str] | None = None) -> int:
                                                  "code paths and write the planner's data file.")
     parser.add_argument("--out", type=Path, default=host.DATA, help="where to write (default: %(default)s)")
     parser.add_argument("--compiled", action="store_true",
-                        help="also count the compiled engine programs (about forty minutes); else keep "
-                             "the file's")
+                        help="also count every compiled engine program (over an hour); else keep the "
+                             "file's and count only the keys it lacks")
     args = parser.parse_args(argv)
     if args.compiled:
-        compiled, compiled_date = compiled_tables(), _now()
+        compiled, compiled_date = compiled_tables(filters.keys()), _now()
     else:
         kept = json.loads(args.out.read_text()) if args.out.exists() else {}
         if not all(isinstance(kept.get(table), dict) for table in COMPILED):
             parser.error(f"{args.out} holds no compiled tables to keep: run with --compiled")
         compiled = {table: kept[table] for table in COMPILED}
         compiled_date = kept["header"].get("compiled_date", kept["header"]["date"])
+        lacking = tuple(key for key in filters.keys() if key not in compiled[COMPILED[0]])
+        if lacking:  # a key the kept tables lack (a filter added since): counted now
+            print(f"compiling the {len(lacking)} keys the kept tables lack: {', '.join(lacking)}")
+            for table, counted in compiled_tables(lacking, scores=False).items():
+                compiled[table] |= counted
+            compiled_date = f"{compiled_date}; {len(lacking)} keys at {_now()}"
     data = measure(compiled, compiled_date)
     args.out.write_text(dumps(data))
     entries = sum(len(t) for name, t in data.items() if name != "header")

@@ -30,6 +30,7 @@ from vocabpar.plan import host
 from vocabpar.sampling import Sampler, verify
 from vocabpar.sampling.engine import STEP_OPTIONS
 from vocabpar.sampling.scoring import token_logprobs
+from vocabpar.wire import filters
 
 FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "lift_fresh",
         "alias", "_local_scalar_dense", "set_", "resize_", "sym_size", "sym_stride", "sym_numel", "dim",
@@ -96,13 +97,12 @@ def families(rows: int = B) -> dict[str, torch.Tensor]:
             "tied": (torch.randint(0, 4, (rows, V), generator=g).float() * 0.25)}
 
 
-def params(key: host.SamplerKey, rows: int) -> SamplingParams:
-    """Sampling parameters standing for ``key``: top-k 50 (within the candidates) or 1000 (a
-    search), top-p 0.9, min-p 0.05."""
-    if key.greedy:
-        return SamplingParams(temperature=0.0, seed=list(range(rows)))
-    return SamplingParams(temperature=1.0, top_k={"none": 0, "candidates": 50, "search": 1000}[key.top_k],
-                          top_p=0.9 if key.top_p else 1.0, min_p=0.05 if key.min_p else 0.0,
+def params(key: str, rows: int) -> SamplingParams:
+    """Sampling parameters standing for entry ``key``: each filter's example values
+    (:func:`vocabpar.wire.filters.example`: top-k 50 within the candidates or 1000 a search, top-p
+    0.9, min-p 0.05, top-n-sigma 1)."""
+    s = filters.example(key)
+    return SamplingParams(temperature=s.temperature, **{f.name: getattr(s, f.name) for f in filters.FILTERS},
                           seed=list(range(rows)))
 
 
@@ -114,7 +114,7 @@ def _shard(full: torch.Tensor, layout: VocabLayout) -> torch.Tensor:
 
 
 def measure(rows: int = B, parts: tuple[str, ...] = ("sample", "score", "collect", "engine"),
-            keys: tuple[host.SamplerKey, ...] = host.SAMPLER_KEYS) -> dict[str, dict]:
+            keys: tuple[str, ...] = filters.keys()) -> dict[str, dict]:
     """On each rank: per sampler key (of ``keys``) and family, ``(launches, reads)`` of ``sample``
     and of ``verify`` (one-hot drafts and, sampled, draft logits) and of the engine
     ``Sampler.sample``; per top-n of ``token_logprobs``; per strategy of ``compute_logits`` and
@@ -130,7 +130,7 @@ def measure(rows: int = B, parts: tuple[str, ...] = ("sample", "score", "collect
             out["engine"][key, name] = counted(engine.sample, _shard(full[:rows], layout), batch)
             target = _shard(full[: rows * (K + 1)], layout).view(rows, K + 1, -1)
             drafts = full[:rows, :K].argsort(1)[:, :K] % V
-            for draft in (False, True) if not key.greedy else (False,):
+            for draft in (False, True) if key != "greedy" else (False,):
                 dl = _shard(full[rows * (K + 1):], layout).view(rows, K, -1) if draft else None
                 vbatch = verifier.prepare(params(key, rows), positions=torch.arange(rows))
                 out["engine"][key, draft, name] = counted(verifier.verify, target, vbatch, drafts, dl)
@@ -142,7 +142,7 @@ def measure(rows: int = B, parts: tuple[str, ...] = ("sample", "score", "collect
             out["sample"][key, name] = counted(sample, local, layout, p, positions=pos, check=False)
             target = _shard(full[: rows * (K + 1)], layout).view(rows, K + 1, -1)
             drafts = full[:rows, :K].argsort(1)[:, :K] % V
-            for draft in (False, True) if not key.greedy else (False,):
+            for draft in (False, True) if key != "greedy" else (False,):
                 dl = _shard(full[rows * (K + 1):], layout).view(rows, K, -1) if draft else None
                 out["verify"][key, draft, name] = counted(verify, target, layout, p, drafts, positions=pos,
                                                           draft_logits=dl, check=False)
@@ -185,7 +185,7 @@ def tables(two: list[dict], three: list[dict]) -> dict[str, dict[str, list[int]]
     for part, table in (("sample", "functional"), ("verify", "functional_verify"), ("engine", "engine")):
         for key in two[0][part]:
             *branch, family = key  # (sampler key, family) or, verifying, (sampler key, draft, family)
-            name = host.verify_name(*branch) if len(branch) == 2 else branch[0].name
+            name = host.verify_name(*branch) if len(branch) == 2 else branch[0]
             where = (f"{table}_verify" if part == "engine" and len(branch) == 2 else table, name)
             families_seen.setdefault(where, {})[family] = busiest(two, part, key)
     for (table, name), counts in families_seen.items():
@@ -253,7 +253,7 @@ def compiled_kernels(fn, *args) -> int:
     return sum(program_kernels(code) for code in codes)
 
 
-def measure_compiled(rows: int = B, keys: tuple[host.SamplerKey, ...] = host.SAMPLER_KEYS) -> dict[str, dict]:
+def measure_compiled(rows: int = B, keys: tuple[str, ...] = filters.keys()) -> dict[str, dict]:
     """On each rank: per sampler key (of ``keys``), the kernels of the engine ``Sampler.sample``
     and ``verify`` (one-hot drafts and, sampled, draft logits) compiled whole, on peaked rows."""
     layout = VocabLayout(V, comm.world_size())
@@ -267,7 +267,7 @@ def measure_compiled(rows: int = B, keys: tuple[host.SamplerKey, ...] = host.SAM
         target = _shard(full[: rows * (K + 1)], layout).view(rows, K + 1, -1)
         drafts = full[:rows, :K].argsort(1)[:, :K] % V
         vbatch = verifier.prepare(params(key, rows), positions=torch.arange(rows))
-        for draft in (False, True) if not key.greedy else (False,):
+        for draft in (False, True) if key != "greedy" else (False,):
             dl = _shard(full[rows * (K + 1):], layout).view(rows, K, -1) if draft else None
             out["engine"][key, draft] = compiled_kernels(verifier.verify, target, vbatch, drafts, dl)
     return out

@@ -17,6 +17,7 @@ from vocabpar.plan.machine import link
 from vocabpar.sampling import Sampler, TokenCounts
 from vocabpar.sampling.constraints import pack_bits
 from vocabpar.sampling.scoring import TokenLogprobs
+from vocabpar.wire.filters import FILTERS
 from vocabpar.wire.scripts import (
     ENGINE_FACTS,
     calls,
@@ -65,7 +66,6 @@ CONFIGS = {
     "logprobs raw": SamplingParams(top_p=0.9, logprobs=5),
     "logprobs processed": SamplingParams(temperature=0.7, top_k=40, logprobs=3, logprobs_of="processed"),
 }
-PER_ROW = ("temperature", "top_k", "top_p", "min_p")
 SEARCH_CASES = (((8, 8, 8, 8), "tied", "top-p 0.9"), ((8, 8, 8, 8), "flat", "top-k 1000"),
                 ((6, 6, 5, 5, 5, 5), "flat", "top-p 0.9"), ((4,) * 8, "tied", "top-k 1000"))
 """Threshold-search rounds other than the default, on flat and tied rows: (rounds, family,
@@ -364,11 +364,11 @@ def test_one_fixed_script_per_plan_priced_as_the_planner_prices_it(engine):
                         assert sent == calls(got.script, ranks), (n, scheme, family, config, B)
                         scripts.add(got.script)
                 assert len(scripts) == 1, (n, scheme, config)
-                rows = {f: [getattr(params, f)] for f in PER_ROW}
+                values = {f.name: [getattr(params, f.name)] for f in FILTERS}
                 top_n = 5 if params.logprobs is not None else None
                 planned = engine_sample_script(engine_plan(
-                    MAX_ROWS, ranks, widest, V, greedy=[params.temperature == 0], top_k=rows["top_k"],
-                    top_p=rows["top_p"], min_p=rows["min_p"], top_n=top_n, search_bits=bits))
+                    MAX_ROWS, ranks, widest, V, greedy=[params.temperature == 0], values=values, top_n=top_n,
+                    search_bits=bits))
                 assert price(planned, ranks) == price(scripts.pop(), ranks), (n, scheme, config)
             checked, _, sent_checked = out["sample", scheme, "flat", "top-p 0.9", 12]
             _, _, sent_unchecked = out["unchecked", scheme]

@@ -7,7 +7,7 @@ compiled again on two ranks and compared with the same tolerance; every entry me
 budget the compiled step is held to.
 
 The sample: greedy and three sampled keys that between them take every branch kind (top-k off,
-within round one's candidates and a threshold search; top-p on and off; min-p on and off), for the
+within round one's candidates and a threshold search; top-p, min-p and top-n-sigma on and off), for the
 functional sampler and verifier and the engine Sampler's sample and verify, on peaked rows
 (typical) and on peaked, flat, Zipf and tied rows (worst); scoring and every collection strategy at
 two and three ranks.
@@ -28,12 +28,11 @@ import pytest
 
 from vocabpar.launch import run
 from vocabpar.plan import DESIGNS, host
+from vocabpar.wire import filters
 
-K = host.SamplerKey
-SAMPLE = (K(True), K(False, "none", False, True), K(False, "candidates", True, False),
-          K(False, "search", True, True))
-"""Greedy, and sampled keys that cover each top-k kind, top-p on/off and min-p on/off."""
-WIDER = (K(True), K(False, "candidates", True, False))
+SAMPLE = ("greedy", "min_p+top_n_sigma", "top_k=candidates+top_p", "top_k=search+top_p+min_p")
+"""Greedy, and sampled keys that cover each top-k state, top-p, min-p and top-n-sigma on and off."""
+WIDER = ("greedy", "top_k=candidates+top_p")
 """Keys measured again at another batch and world size."""
 
 
@@ -62,8 +61,8 @@ def test_the_file_holds_every_entry_and_says_how_it_was_counted():
     data = host.load(host.DATA)
     assert {"torch", "command", "date", "compiled_date", "counting"} <= set(data["header"])
     assert "count_launches.py" in data["header"]["command"]
-    names = [key.name for key in host.SAMPLER_KEYS]
-    verify_names = [host.verify_name(key, d) for key in host.SAMPLER_KEYS for d in (False, True)]
+    names = list(filters.keys())
+    verify_names = [host.verify_name(key, d) for key in names for d in (False, True)]
     for sampler in ("functional", "engine"):
         assert set(data[sampler]) == set(names), sampler
         assert set(data[f"{sampler}_verify"]) == set(verify_names), sampler
@@ -135,14 +134,14 @@ def test_the_engine_sampler_runs_one_script_whatever_the_logits(two_ranks):
     add one copy on some inputs) and reads nothing on the host: the one read the planner charges
     it per step is the copy of its ids, which every design makes."""
     for key in SAMPLE:
-        for draft in [()] + ([] if key.greedy else [(False,), (True,)]):
+        for draft in [()] + ([] if key == "greedy" else [(False,), (True,)]):
             seen = [host_probe.busiest(two_ranks, "engine", (key, *draft, family))
                     for family in host_probe.families()]
             assert max(s[0] for s in seen) - min(s[0] for s in seen) <= 1, (key, draft, seen)
             assert all(s[1] == 0 for s in seen), (key, draft, seen)
         assert host.sampler_work("engine", key).reads == 0 and host.IDS_TO_HOST.reads == 1
     with pytest.raises(ValueError, match="unknown sampler 'magic'"):
-        host.sampler_work("magic", K(True))
+        host.sampler_work("magic", "greedy")
 
 
 def test_a_missing_entry_or_file_names_it_and_the_script(tmp_path, monkeypatch):
@@ -151,9 +150,9 @@ def test_a_missing_entry_or_file_names_it_and_the_script(tmp_path, monkeypatch):
     partial = tmp_path / "host_work.json"
     partial.write_text(json.dumps(lacking))
     monkeypatch.setattr(host, "DATA", partial)
-    assert host.sampler_work("engine", K(False, "none")) == host.HostWork(*data["engine"]["top_k=none"])
+    assert host.sampler_work("engine", "temperature") == host.HostWork(*data["engine"]["temperature"])
     with pytest.raises(LookupError, match=r"no 'engine' entry 'top_k=search\+min_p'.*count_launches\.py"):
-        host.sampler_work("engine", K(False, "search", False, True))
+        host.sampler_work("engine", "top_k=search+min_p")
     monkeypatch.setattr(host, "DATA", tmp_path / "absent.json")
     with pytest.raises(FileNotFoundError, match=r"absent\.json.*count_launches\.py"):
         host.collect_work("gather", 2)
@@ -177,7 +176,7 @@ def test_the_one_read_an_engine_step_makes_is_the_copy_of_its_ids():
     layout, B = VocabLayout(host_probe.V, 1), host_probe.B
     sampler = Sampler(layout, max_rows=B, check=False)
     local = host_probe._shard(host_probe.families()["peaked"], layout)
-    for key in (host.SamplerKey(True), host.SamplerKey(False, "none", True, True)):
+    for key in ("greedy", "top_p+min_p"):
         batch = sampler.prepare(host_probe.params(key, B), positions=torch.arange(B))
         with counting() as sampling:
             out = sampler.sample(local, batch)
@@ -203,19 +202,56 @@ def test_the_compiled_engine_step_meets_its_kernel_budget():
     assert set(data["engine_graph_score"]) == {"sample+logprobs", "token_logprobs+top_n"}
     scores = data["engine_graph_score"]
     assert all(kernels <= 48 for (kernels,) in scores.values()), scores
-    for key in host.SAMPLER_KEYS:  # graph mode prices these kernels and no host read
+    for key in filters.keys():  # graph mode prices these kernels and no host read
         eager = host.sampler_work("engine", key)
         compiled = host.sampler_work("engine", key, compiled=True)
-        assert compiled.reads == 0 and compiled.launches == data["engine_graph"][key.name][0] < eager.launches
+        assert compiled.reads == 0 and compiled.launches == data["engine_graph"][key][0] < eager.launches
         verify = host.verify_work("engine", key, True, compiled=True)
         assert verify.launches == data["engine_graph_verify"][host.verify_name(key, True)][0]
 
 
 def test_a_recount_of_the_compiled_greedy_step_agrees_with_the_file():
-    ranks = run(host_probe.measure_compiled, 2, host_probe.B, (K(True),), timeout=300, run_timeout=600)
-    for entry, table, name in ((K(True), "engine_graph", "greedy"), ((K(True), False), "engine_graph_verify",
-                                                                    "greedy")):
+    ranks = run(host_probe.measure_compiled, 2, host_probe.B, ("greedy",), timeout=300, run_timeout=600)
+    for entry, table in (("greedy", "engine_graph"), (("greedy", False), "engine_graph_verify")):
         measured = max(rank["engine"][entry] for rank in ranks)
-        recorded = host.entry(table, name)[0]
-        assert close(measured, recorded), (f"{table} {name}: counted {measured}, the file says {recorded}: "
+        recorded = host.entry(table, "greedy")[0]
+        assert close(measured, recorded), (f"{table} greedy: counted {measured}, the file says {recorded}: "
                                            f"rerun `{host.REGENERATE} --compiled`")
+
+
+def test_the_counting_script_compiles_only_the_keys_the_kept_tables_lack(tmp_path, monkeypatch, capsys):
+    """Without ``--compiled`` the script keeps the file's compiled tables and compiles the keys they
+    lack (a filter added since) -- and only those, without the scoring programs; the eager
+    tables are measured again (stood in for here: each is a minute of gloo ranks)."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "count_launches.py"
+    spec = importlib.util.spec_from_file_location("count_launches", script)
+    counting = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(counting)
+    data = host.load(host.DATA)
+    dropped = ("top_n_sigma", "top_k=search+top_p+top_n_sigma")
+    kept = {**data, "engine_graph": {k: v for k, v in data["engine_graph"].items() if k not in dropped}}
+    out = tmp_path / "host_work.json"
+    out.write_text(json.dumps(kept))
+    asked = []
+
+    def compiled_tables(keys, scores=True):
+        asked.append((keys, scores))
+        return {"engine_graph": {key: [99] for key in keys}, "engine_graph_verify": {},
+                "engine_graph_score": {}}
+
+    monkeypatch.setattr(counting, "compiled_tables", compiled_tables)
+    monkeypatch.setattr(counting, "measure",
+                        lambda compiled, date: {"header": {"compiled_date": date}, **compiled})
+    assert counting.main(["--out", str(out)]) == 0
+    assert asked == [(dropped, False)]
+    written = json.loads(out.read_text())
+    assert written["engine_graph"] == {**kept["engine_graph"], **{key: [99] for key in dropped}}
+    assert written["header"]["compiled_date"].startswith(data["header"]["compiled_date"] + "; 2 keys at ")
+    assert "compiling the 2 keys the kept tables lack: top_n_sigma, top_k=search+top_p+top_n_sigma" in \
+        capsys.readouterr().out
+    asked.clear()
+    out.write_text(json.dumps(data))
+    assert counting.main(["--out", str(out)]) == 0 and asked == []  # nothing lacking: nothing compiled

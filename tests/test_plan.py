@@ -35,6 +35,7 @@ from vocabpar.plan.recommend import winners
 from vocabpar.plan.study import STUDY, study_figures
 from vocabpar.plots import png_path
 from vocabpar.presets import CLASS_DEFAULTS, load_config, preset
+from vocabpar.wire.filters import FILTERS
 from vocabpar.wire.traffic import Traffic, all_gather, all_reduce, exact, maybe
 
 V, H = 129280, 5120  # DeepSeek-V4.1-Flash
@@ -529,6 +530,9 @@ SAMPLED = {
     "top-p zipf": ("zipf", P.Sampling(temperature=1.0, top_p=0.9), False),
     "min-p flat": ("flat", P.Sampling(temperature=1.0, min_p=0.1), False),
     "top-k 1000 top-p flat": ("flat", P.Sampling(temperature=1.0, top_k=1000, top_p=0.9), False),
+    "top-n-sigma": ("peaked", P.Sampling(temperature=1.0, top_n_sigma=1.0), True),
+    "top-n-sigma top-p": ("peaked", P.Sampling(temperature=1.0, top_p=0.9, top_n_sigma=1.0), True),
+    "top-n-sigma top-p zipf": ("zipf", P.Sampling(temperature=1.0, top_p=0.9, top_n_sigma=2.0), False),
 }
 B_SAMPLED, V_SAMPLED, SCORED_ROWS, SCORED_TOP_N = 16, 12000, 12, 3
 
@@ -545,8 +549,8 @@ def _measure_sampler_and_scorer():
         for name, (family, s, _) in SAMPLED.items():
             local = _family(family, B_SAMPLED, V_SAMPLED)[:, ids.clamp(min=0)]
             local[:, ids < 0] = float("-inf")
-            params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                                    seed=list(range(B_SAMPLED)))
+            filtered = {f.name: getattr(s, f.name) for f in FILTERS}
+            params = SamplingParams(temperature=s.temperature, **filtered, seed=list(range(B_SAMPLED)))
             comm.reset_traffic()
             sample(local, layout, params, positions=torch.arange(B_SAMPLED), check=False)
             out[scheme, name] = (sum(c.calls for c in comm.traffic().values()), comm.total_bytes()[1])

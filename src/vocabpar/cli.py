@@ -21,6 +21,7 @@ from vocabpar.plan.model import DTYPE_BYTES, LIMITS
 from vocabpar.plan.study import study_figures
 from vocabpar.presets import DEFAULT_PRESET, PRESETS, load_config, preset
 from vocabpar.report import DEFAULT_WIDTH, fit_table, format_table, report_text
+from vocabpar.wire.filters import FILTERS, TEMPERATURE, Filter
 
 
 def _number(p: argparse.ArgumentParser, flag: str, kind: type[int] | type[float], limits: tuple[float, float],
@@ -84,7 +85,12 @@ def _temperature(args: argparse.Namespace) -> float:
     """``--temperature``, by default 1 when a filter describes a sampled step, else 0 (greedy)."""
     if args.temperature is not None:
         return args.temperature
-    return 1.0 if args.top_k or args.top_p < 1 or args.min_p > 0 else 0.0
+    return 1.0 if any(getattr(args, f.name) != f.off for f in FILTERS) else 0.0
+
+
+def _flag(f: Filter) -> str:
+    """The command line's option for filter ``f``: ``--top-k``."""
+    return "--" + f.name.replace("_", "-")
 
 
 def _list_presets() -> int:
@@ -129,7 +135,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         kv_bytes_per_token=kv, pad_to=args.pad_to,
         latency=given(args.latency_us, mode.latency), launch=given(args.launch_us, mode.launch),
         sync=given(args.sync_us, mode.sync), compiled=mode.compiled,
-        sampling=plan.Sampling(_temperature(args), args.top_k, args.top_p, args.min_p),
+        sampling=plan.Sampling(_temperature(args), **{f.name: getattr(args, f.name) for f in FILTERS}),
         spec_tokens=args.spec_tokens, draft_logits=args.draft_logits, score_tokens=args.score_tokens,
         score_top_n=args.score_top_n, skew=args.skew)
     costs = plan.plan(w)
@@ -382,11 +388,11 @@ def build_parser() -> argparse.ArgumentParser:
     _number(p, "--pad-to", int, L["pad_to"], "vocab padding multiple (padded scheme)", default=64)
     _number(p, "--headroom", float, L["headroom"], "GiB per rank available for extra memory",
             scale=plan.GiB)
-    _number(p, "--temperature", float, L["temperature"], "sampling temperature of a decode step (0 = greedy; "
-            "default 1 with --top-k/--top-p/--min-p, else 0)")
-    _number(p, "--top-k", int, L["top_k"], "top-k of a sampled step (0 = off)", default=0)
-    _number(p, "--top-p", float, L["top_p"], "top-p of a sampled step (1 = off)", default=1.0)
-    _number(p, "--min-p", float, L["min_p"], "min-p of a sampled step (0 = off)", default=0.0)
+    _number(p, "--temperature", float, TEMPERATURE, "sampling temperature of a decode step (0 = greedy; "
+            "default 1 with a filter on, else 0)")
+    for f in FILTERS:
+        _number(p, _flag(f), f.kind, f.limits, f"{f.label} of a sampled step ({f.off:g} = off)",
+                default=f.off)
     _number(p, "--spec-tokens", int, L["spec_tokens"], "draft tokens verified per row and step "
             "(speculative decoding; 0 = off)", default=0)
     p.add_argument("--draft-logits", action="store_true",

@@ -29,7 +29,7 @@ import torch
 
 from vocabpar import comm, launch, plan, rss
 from vocabpar.host_reads import counting
-from vocabpar.integrations.decode import AUTO, can_verify
+from vocabpar.integrations.decode import AUTO, can_verify, planned_sampling
 from vocabpar.kernels.fused import SWITCH, compiling
 from vocabpar.layout import VocabLayout
 from vocabpar.plan.model import step_traffic, verify_step_traffic
@@ -387,8 +387,7 @@ def _workload(design: plan.Design, layout: VocabLayout, hidden: int, batch: int,
     ranks bring their own rows runs with one DP attention group per rank; speculative steps
     verify ``spec_tokens`` drafts with the draft's logits when sampling."""
     n = layout.world_size
-    sampling = plan.Sampling() if params is None else plan.Sampling(
-        float(params.temperature), max(int(params.top_k), 0), float(params.top_p), float(params.min_p))
+    sampling = plan.Sampling() if params is None else planned_sampling(params, batch, layout.vocab_size)
     dp = n if STRATEGIES[design.strategy].inputs == "own" else 1
     return plan.Workload(layout.vocab_size, hidden, ranks=n, dp=dp, batch=batch, pad_to=layout.pad_to,
                          weight_dtype_bytes=FP32_BYTES, logits_dtype_bytes=FP32_BYTES, sampling=sampling,

@@ -31,6 +31,7 @@ from vocabpar.layout import VocabLayout
 from vocabpar.sampling import Sampler, SamplingParams, TokenCounts, VerifyOutput, reference_sample, sample
 from vocabpar.sampling import verify as verify_drafts
 from vocabpar.sampling.scoring import TokenLogprobs
+from vocabpar.wire.filters import FILTERS, strictest
 from vocabpar.wire.strategies import STRATEGIES
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -228,15 +229,14 @@ def can_verify(strategy: str) -> bool:
 
 
 def planned_sampling(params: SamplingParams, batch: int, vocab: int) -> plan.Sampling:
-    """The planner's view of a batch's sampling: greedy when every row is; else the branches the
-    most demanding rows take (the largest top-k, the smallest top-p, the largest min-p). Computed
-    on the host from the parameters alone."""
+    """The planner's view of a batch's sampling: greedy when every row is; else each filter's
+    most demanding value over the sampled rows (:func:`vocabpar.wire.filters.strictest`).
+    Computed on the host from the parameters alone."""
     r = params.resolve(batch, vocab)
     sampled = ~r.greedy
-    if not bool(sampled.any()):
-        return plan.Sampling()
-    k = r.top_k[sampled].clamp(min=0)
-    return plan.Sampling(1.0, int(k.max()), float(r.top_p[sampled].min()), float(r.min_p[sampled].max()))
+    columns = {f.name: getattr(r, f.name)[sampled].tolist() for f in FILTERS}
+    columns["top_k"] = [max(k, 0) for k in columns["top_k"]]  # -1 is off, as 0
+    return strictest(columns)
 
 
 class Samplers:

@@ -6,7 +6,8 @@ per collective, launch and host read, with sources); :mod:`vocabpar.plan.host` t
 host reads each design's code path makes; :mod:`vocabpar.plan.cost` every design priced
 (:func:`plan`); :mod:`vocabpar.plan.crossover` the batch below which gathering beats sampling on
 shards, and ``strategy="auto"``'s choice; :mod:`vocabpar.plan.recommend` the design to use;
-:mod:`vocabpar.plan.study` the study's figures recomputed. The byte formulas themselves are
+:mod:`vocabpar.plan.study` the study's figures recomputed. A step's sampling (:class:`Sampling`) is
+:mod:`vocabpar.wire.filters`', one field per filter. The byte formulas themselves are
 :mod:`vocabpar.wire`'s; the report's text is :mod:`vocabpar.report`'s, pictures
 :mod:`vocabpar.plots`'. Nothing here imports ``torch.distributed`` or matplotlib. The names
 callers use are re-exported here; everything else is imported from the module that defines it.
@@ -15,8 +16,9 @@ callers use are re-exported here; everything else is imported from the module th
 from vocabpar.plan.cost import DesignCost, plan
 from vocabpar.plan.crossover import Crossover, Switch, crossover, crossovers
 from vocabpar.plan.machine import MODES, Mode, mode
-from vocabpar.plan.model import DESIGNS, Design, GiB, Sampling, Workload, dtype_bytes
+from vocabpar.plan.model import DESIGNS, Design, GiB, Workload, dtype_bytes
 from vocabpar.plan.recommend import Recommendation, recommend
+from vocabpar.wire.filters import Sampling
 
 __all__ = [
     "DESIGNS", "Crossover", "Design", "DesignCost", "GiB", "MODES", "Mode", "Recommendation", "Sampling",

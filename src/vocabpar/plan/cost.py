@@ -36,7 +36,7 @@ from vocabpar.plan.model import (
     verify_traffic,
     weight_bytes,
 )
-from vocabpar.wire.scripts import MAX_CANDIDATES, candidate_count, price, score_blocks, score_script
+from vocabpar.wire.scripts import price, score_blocks, score_script
 from vocabpar.wire.strategies import strategy
 from vocabpar.wire.traffic import Traffic, exact
 
@@ -96,13 +96,10 @@ class DesignCost:
     applies: bool = True
 
 
-def sampler_key(w: Workload, ranks: int, widest: int) -> host.SamplerKey:
-    """The branches ``w``'s sampling takes with round one's candidates on ``ranks`` ranks whose
-    widest shard holds ``widest`` real tokens."""
-    s = w.sampling
-    small_k = s.top_k if 0 < s.top_k <= MAX_CANDIDATES else 0
-    c = candidate_count(ranks, widest, top_k=small_k, top_p=s.top_p < 1, min_p=s.min_p > 0)
-    return host.sampler_key(s.temperature, s.top_k, s.top_p, s.min_p, w.vocab, c)
+def sampler_key(w: Workload, ranks: int, widest: int) -> str:
+    """The entry name of ``w``'s sampling in the host-work tables, with round one's candidates on
+    ``ranks`` ranks whose widest shard holds ``widest`` real tokens."""
+    return w.sampling.key(w.vocab, w.sampling.candidates(ranks, widest))
 
 
 def host_work(design: Design, w: Workload, step: str) -> HostWork:

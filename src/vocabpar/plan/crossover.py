@@ -20,7 +20,8 @@ from functools import lru_cache
 
 from vocabpar.plan.cost import STEPS, path_time, step_time
 from vocabpar.plan.machine import mode
-from vocabpar.plan.model import DESIGNS, LATENCY, LAUNCH, LIMITS, SYNC, Design, Sampling, Workload
+from vocabpar.plan.model import DESIGNS, LATENCY, LAUNCH, LIMITS, SYNC, Design, Workload
+from vocabpar.wire.filters import Sampling
 from vocabpar.wire.strategies import strategy
 
 GATHER, SHARDS = "vllm-all-gather", "vocabpar-sharded"

@@ -35,9 +35,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from functools import lru_cache
-from itertools import product
 from pathlib import Path
 from typing import Any
+
+from vocabpar.wire.filters import states
 
 DATA = Path(__file__).with_name("host_work.json")
 """The measured tables: ``{"header": {...}, table: {entry: [numbers]}}``, written by
@@ -65,43 +66,10 @@ def fixed(launches: int, reads: int) -> HostWork:
     return HostWork(launches, reads, launches, reads)
 
 
-@dataclass(frozen=True)
-class SamplerKey:
-    """The branches that decide a sampler's host work: greedy, or sampled with a top-k that is
-    off, within round one's candidates or beyond them (a threshold search), top-p, min-p."""
-
-    greedy: bool
-    top_k: str = "none"
-    top_p: bool = False
-    min_p: bool = False
-
-    @property
-    def name(self) -> str:
-        """The key's entry name in :data:`DATA`: ``greedy``, or ``top_k=<kind>`` then ``+top_p``
-        and ``+min_p`` where on."""
-        if self.greedy:
-            return "greedy"
-        return f"top_k={self.top_k}" + "+top_p" * self.top_p + "+min_p" * self.min_p
-
-
-SAMPLER_KEYS: tuple[SamplerKey, ...] = (SamplerKey(True),) + tuple(
-    SamplerKey(False, k, p, m) for k, p, m in product(("none", "candidates", "search"), (False, True),
-                                                       (False, True)))
-
-
-def sampler_key(temperature: float, top_k: int, top_p: float, min_p: float, vocab: int,
-                candidates: int) -> SamplerKey:
-    """The key of a step's sampling; ``candidates``: round one's candidates per rank."""
-    if temperature == 0:
-        return SamplerKey(True)
-    k = "none" if not 0 < top_k < vocab else "candidates" if top_k <= candidates else "search"
-    return SamplerKey(False, k, top_p < 1, min_p > 0)
-
-
-def verify_name(key: SamplerKey, draft_logits: bool) -> str:
-    """A verification's entry name: its key's, and ``+draft_logits`` when the drafts' logits come
-    along (a greedy row ignores them)."""
-    return key.name + "+draft_logits" * (draft_logits and not key.greedy)
+def verify_name(key: str, draft_logits: bool) -> str:
+    """A verification's entry name: its sampling key's (:meth:`vocabpar.wire.filters.Summary.key`),
+    and ``+draft_logits`` when the drafts' logits come along (a greedy row ignores them)."""
+    return key + "+draft_logits" * (draft_logits and key != "greedy")
 
 
 def score_name(top_n: int) -> str:
@@ -156,22 +124,19 @@ def entry(table: str, name: str) -> list[int]:
     return numbers
 
 
-DENSE: dict[SamplerKey, HostWork] = {
-    SamplerKey(True): fixed(2, 0),
-    **{SamplerKey(False, k, p, m): fixed(6 + 6 * (k != "none") + (8 if p and k == "none" else 6 * p) + 5 * m,
-                                         int(m))
-       for k in ("none", "candidates", "search") for p in (False, True) for m in (False, True)},
-}
-"""Typed by hand, counted outside this repository (see above): an engine's own sampler on full rows
-(vLLM's PyTorch-native path, BF16 logits in), per key: greedy is a cast and an argmax; temperature
-and the draw 6; top-k 6 more, top-p 8 (6 with top-k: they share the sort); min-p 5 and one host
-read (its boolean-mask write)."""
+DENSE_FILTERS = {"top_k": fixed(6, 0), "top_p": fixed(6, 0), "min_p": fixed(5, 1), "top_n_sigma": fixed(4, 0)}
+"""Typed by hand, counted outside this repository (see above): what an engine's own sampler on
+full rows (vLLM's PyTorch-native path, BF16 logits in) spends on each filter on top of
+temperature and the draw (6 launches): top-k 6, top-p 6 (8 without top-k: they share the sort),
+min-p 5 and a host read (its boolean-mask write). vLLM has no top-n-sigma: its price is the four
+full-row passes llama.cpp's makes (the max, the mean, the variance, the mask), an estimate. A
+greedy step is a cast and an argmax (2)."""
 DENSE_VERIFY: dict[tuple[bool, bool, bool], HostWork] = {
     (True, False, False): fixed(14, 0), (False, False, False): fixed(34, 0),
     (False, True, False): fixed(49, 0), (False, False, True): fixed(53, 0), (False, True, True): fixed(64, 0)}
 """Typed by hand, counted outside this repository: an engine's rejection sampler on full rows
-(vLLM's, with its bonus-token sampler), per (greedy, top-k, top-p); min-p, which it applies to the
-bonus rows only, adds 5 launches and a host read."""
+(vLLM's, with its bonus-token sampler), per (greedy, top-k, top-p); min-p and top-n-sigma, which
+apply to the bonus rows only, add what :data:`DENSE_FILTERS` says."""
 DENSE_SCORE: dict[bool, HostWork] = {False: fixed(6, 0), True: fixed(9, 0)}
 """Typed by hand, counted outside this repository: an engine's prompt logprobs on the gathered rows
 (vLLM's ``compute_logprobs`` and ``gather_logprobs``, one call), without and with top-n lists."""
@@ -192,20 +157,29 @@ def collect_work(strategy: str, ranks: int) -> HostWork:
     return _per_rank("collect", "none" if ranks == 1 else strategy, ranks)
 
 
-def sampler_work(sampler: str, key: SamplerKey, compiled: bool = False) -> HostWork:
+def dense_work(key: str) -> HostWork:
+    """An engine's own sampler on full rows for a step of entry ``key``."""
+    if key == "greedy":
+        return fixed(2, 0)
+    on = states(key)
+    work = fixed(6 + 2 * ("top_p" in on and "top_k" not in on), 0)
+    return sum((DENSE_FILTERS[name] for name in on), work)
+
+
+def sampler_work(sampler: str, key: str, compiled: bool = False) -> HostWork:
     """One sampler call of kind ``sampler`` (:data:`SAMPLERS`) on a batch of ``key``'s rows (the
     copy of its ids to the host apart: :data:`IDS_TO_HOST`); ``compiled``: the engine Sampler's
     call runs compiled whole, its launches the compiled program's kernels."""
     if sampler == "dense":
-        return DENSE[key]
+        return dense_work(key)
     if sampler == "engine" and compiled:
-        return fixed(entry("engine_graph", key.name)[0], 0)
+        return fixed(entry("engine_graph", key)[0], 0)
     if sampler in ("functional", "engine"):
-        return HostWork(*entry(sampler, key.name))
+        return HostWork(*entry(sampler, key))
     raise ValueError(f"unknown sampler {sampler!r}; expected one of {SAMPLERS}")
 
 
-def verify_work(sampler: str, key: SamplerKey, draft_logits: bool, compiled: bool = False) -> HostWork:
+def verify_work(sampler: str, key: str, draft_logits: bool, compiled: bool = False) -> HostWork:
     """One verification of kind ``sampler`` on a batch of ``key``'s rows (``compiled`` as in
     :func:`sampler_work`)."""
     if sampler == "engine" and compiled:
@@ -213,9 +187,11 @@ def verify_work(sampler: str, key: SamplerKey, draft_logits: bool, compiled: boo
     if sampler in ("functional", "engine"):
         return HostWork(*entry(f"{sampler}_verify", verify_name(key, draft_logits)))
     if sampler == "dense":
-        if key.greedy:
+        if key == "greedy":
             return DENSE_VERIFY[True, False, False]
-        return DENSE_VERIFY[False, key.top_k != "none", key.top_p] + fixed(5 * key.min_p, int(key.min_p))
+        on = states(key)
+        return sum((DENSE_FILTERS[name] for name in ("min_p", "top_n_sigma") if name in on),
+                   DENSE_VERIFY[False, "top_k" in on, "top_p" in on])
     raise ValueError(f"no verification host work recorded for sampler {sampler!r}")
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 
 from vocabpar.layout import VocabLayout
 from vocabpar.plan.machine import DEFAULT_MODE, MODES
+from vocabpar.wire.filters import Sampling, check_range
 from vocabpar.wire.scripts import (
     ENGINE_SEARCH_BITS,
     SCORE_ROWS,
@@ -61,7 +62,8 @@ from vocabpar.wire.traffic import Traffic, exact
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
-# Accepted [low, high] of each Workload and Sampling field and of the headroom, in base units:
+# Accepted [low, high] of each Workload field and of the headroom, in base units (a Sampling's
+# fields: its filters' limits, vocabpar.wire.filters):
 # wide enough for any real model, cluster and decode step, narrow enough that every planned
 # quantity is a finite number. The skew must also be at least 1/ranks.
 LIMITS: dict[str, tuple[float, float]] = {
@@ -72,9 +74,7 @@ LIMITS: dict[str, tuple[float, float]] = {
     "latency": (0.0, 1.0), "launch": (0.0, 1.0), "sync": (0.0, 1.0),
     "spec_tokens": (0, 2**10), "score_tokens": (0, 2**31), "score_top_n": (0, 2**10),
     "skew": (0.0, 1.0), "headroom": (0, 1e6 * GiB),
-    "temperature": (0.0, 1e6), "top_k": (0, 2**31), "top_p": (1e-9, 1.0), "min_p": (0.0, 1.0),
 }
-SAMPLING_LIMITS = ("temperature", "top_k", "top_p", "min_p")
 LATENCY, LAUNCH, SYNC = (getattr(MODES[DEFAULT_MODE], name) for name in ("latency", "launch", "sync"))
 """Default seconds per collective (alpha), per kernel launch (lambda) and per host read: the
 ``eager`` execution mode's figures (:data:`vocabpar.plan.machine.MODES`, with their sources)."""
@@ -82,10 +82,7 @@ LATENCY, LAUNCH, SYNC = (getattr(MODES[DEFAULT_MODE], name) for name in ("latenc
 
 def check_limit(name: str, value: float) -> None:
     """Raise ``ValueError`` unless ``value`` lies in ``LIMITS[name]`` (NaN never does)."""
-    low, high = LIMITS[name]
-    if not low <= value <= high:
-        span = ", ".join(str(x) if isinstance(x, int) else f"{x:g}" for x in (low, high))
-        raise ValueError(f"{name} must be in [{span}], got {value!r}")
+    check_range(name, value, LIMITS[name])
 
 
 def dtype_bytes(name: str) -> int:
@@ -221,44 +218,12 @@ def kv_tokens(nbytes: float, kv_bytes_per_token: float) -> int:
 
 
 # ---------------------------------------------------------------------- sampling on shards
-@dataclass(frozen=True)
-class Sampling:
-    """A decode step's sampling, the same for every row: ``temperature`` 0 is greedy (the other
-    fields then do nothing); ``top_k`` 0, ``top_p`` 1 and ``min_p`` 0 are off. Each field lies in
-    its ``LIMITS`` range."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in SAMPLING_LIMITS:
-            check_limit(name, getattr(self, name))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def knobs(self) -> dict[str, float]:
-        """The fields as keywords of :func:`vocabpar.wire.scripts.sampler_paths`."""
-        return {name: getattr(self, name) for name in SAMPLING_LIMITS}
-
-    def describe(self) -> str:
-        """``"greedy"`` or the parameters in use, e.g. ``"temperature 0.8, top-p 0.9"``."""
-        if self.greedy:
-            return "greedy"
-        parts = [f"temperature {self.temperature:g}"] + [f"{name} {value:g}" for name, value, off in (
-            ("top-k", self.top_k, 0), ("top-p", self.top_p, 1), ("min-p", self.min_p, 0)) if value != off]
-        return ", ".join(parts)
-
-
 def sampler_traffic(rows: int, ranks: int, widest: int, vocab: int, s: Sampling) -> Traffic:
     """One ``sample()`` call on ``rows`` rows of sharded logits (``widest``: the most real tokens
     one rank holds), the agreement check apart: the typical..worst price of its script
     (:func:`vocabpar.wire.scripts.sampler_paths`). Bytes depend on rows, n and the candidate
     count, never on V."""
-    return sampler_price(sampler_paths(rows, ranks, widest, vocab, **s.knobs()), ranks)
+    return sampler_price(sampler_paths(rows, ranks, widest, vocab, s), ranks)
 
 
 # ---------------------------------------------------------------------- workload and designs
@@ -308,7 +273,7 @@ class Workload:
 
     def __post_init__(self) -> None:
         for name in LIMITS:
-            if name not in ("headroom", *SAMPLING_LIMITS) and getattr(self, name) is not None:
+            if name != "headroom" and getattr(self, name) is not None:
                 check_limit(name, getattr(self, name))
         if self.ranks % self.dp:
             raise ValueError(f"dp={self.dp} must divide ranks={self.ranks}")
@@ -405,8 +370,7 @@ def engine_traffic(rows: int, ranks: int, widest: int, vocab: int, s: Sampling, 
     if not stacked:  # no call: an engine skips the sampler for an empty batch
         return Traffic()
     bits = ENGINE_SEARCH_BITS if link is None else choose_search_bits(stacked, ranks, *link)
-    plan = engine_plan(stacked, ranks, widest, vocab, greedy=[s.greedy], top_k=[s.top_k], top_p=[s.top_p],
-                       min_p=[s.min_p], search_bits=bits)
+    plan = engine_plan(stacked, ranks, widest, vocab, greedy=[s.greedy], values=s.values(), search_bits=bits)
     return price(engine_sample_script(replace(plan, drafts=weigh)), ranks)
 
 
@@ -428,7 +392,7 @@ def verify_traffic(name: str, w: Workload, ranks: int, scheme: str, sampler: str
     if sampler == "engine":
         return engine_traffic(B, ranks, widest, w.vocab, w.sampling, drafts=K, draft_logits=w.draft_logits,
                               link=(w.latency, w.bandwidth))
-    paths = verify_paths(B, K, w.draft_logits, ranks, widest, w.vocab, **w.sampling.knobs())
+    paths = verify_paths(B, K, w.draft_logits, ranks, widest, w.vocab, w.sampling)
     return verify_price(paths, ranks)
 
 

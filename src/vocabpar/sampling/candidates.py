@@ -16,8 +16,8 @@ from vocabpar.kernels.fused import nan_and_ties
 from vocabpar.sampling.params import Rows
 from vocabpar.sampling.ranks import Ranks
 from vocabpar.sampling.semantics import NEG_INF, mass_shift, merge_argmax
+from vocabpar.wire.filters import BY_NAME, FILTERS, candidate_count
 from vocabpar.wire.records import round_one
-from vocabpar.wire.scripts import MAX_CANDIDATES, candidate_count
 
 
 @dataclass(frozen=True)
@@ -32,16 +32,14 @@ class RoundOne:
 
 
 def candidates_per_rank(rows: Rows, V: int, ranks: Ranks) -> int:
-    """Round-one candidates each rank sends per row for these rows' parameters (0: all greedy)."""
+    """Round-one candidates each rank sends per row for these rows' parameters (0: all greedy).
+    Two host reads at most: whether any row samples, then every filter's values at once (a
+    greedy row's read as off)."""
     sampled = ~rows.greedy
     if not sampled.any():
         return 0
-    k = rows.top_k[sampled]
-    small_k = k[(k > 0) & (k <= MAX_CANDIDATES)]
-    top_k = int(small_k.max()) if small_k.numel() else 0
-    return candidate_count(ranks.n, max(ranks.real_counts), top_k=top_k,
-                           top_p=bool((rows.top_p[sampled] < 1).any()),
-                           min_p=bool((rows.min_p[sampled] > 0).any()))
+    values = torch.stack([torch.where(sampled, getattr(rows, f.name).double(), f.off) for f in FILTERS])
+    return candidate_count(ranks.n, max(ranks.real_counts), dict(zip(BY_NAME, values.tolist())))
 
 
 def shard_top(x: torch.Tensor, ids: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:

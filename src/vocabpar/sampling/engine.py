@@ -66,6 +66,7 @@ from vocabpar.sampling.semantics import (
     with_logprobs,
 )
 from vocabpar.sampling.stacked import every_row_index
+from vocabpar.wire.filters import FILTERS
 from vocabpar.wire.records import INPUT_WORDS, folded, round_one, score
 from vocabpar.wire.scripts import ENGINE_FACTS as FACTS
 from vocabpar.wire.scripts import (
@@ -232,10 +233,10 @@ class Sampler:
 
     def _plan(self, host: Rows) -> EnginePlan:
         """The script of a ``sample`` call on these (host) parameters."""
+        values = {f.name: getattr(host, f.name).tolist() for f in FILTERS}
         return engine_plan(self.max_rows, self.ranks.n, self.widest, self.layout.vocab_size,
-                           greedy=host.greedy.tolist(), top_k=host.top_k.tolist(), top_p=host.top_p.tolist(),
-                           min_p=host.min_p.tolist(), top_n=None if host.logprobs is None else self.max_top_n,
-                           search_bits=self.search_bits, top_n_sigma=host.top_n_sigma.tolist())
+                           greedy=host.greedy.tolist(), values=values, search_bits=self.search_bits,
+                           top_n=None if host.logprobs is None else self.max_top_n)
 
     def _facts(self, facts: list[int | torch.Tensor], device: torch.device) -> torch.Tensor:
         """int64 ``[FACTS]``: ints and 0-dim tensors as they are, other tensors by

@@ -16,6 +16,7 @@ import torch
 
 from vocabpar.hashing import M32, fmix32
 from vocabpar.sampling.constraints import allowed_bits, bias_lists, per_row, per_row_ids
+from vocabpar.wire.filters import FILTERS
 
 GREEDY_BELOW = 1e-5
 """A temperature below this is greedy decoding (vLLM's ``_SAMPLING_EPS``)."""
@@ -37,10 +38,12 @@ FILTER_ORDERS = ("hf", "vllm")
 
 INT64_BOUND = 2**63
 
-ROW_FIELDS = {"temperature": torch.float64, "top_k": torch.int64, "top_p": torch.float64,
-              "min_p": torch.float64, "top_n_sigma": torch.float64, "repetition_penalty": torch.float32,
-              "presence_penalty": torch.float32, "frequency_penalty": torch.float32, "seed": torch.int64}
-"""The per-row fields of :class:`SamplingParams` and the dtype each resolves to."""
+ROW_FIELDS = {"temperature": torch.float64,
+              **{f.name: torch.int64 if f.kind is int else torch.float64 for f in FILTERS},
+              "repetition_penalty": torch.float32, "presence_penalty": torch.float32,
+              "frequency_penalty": torch.float32, "seed": torch.int64}
+"""The per-row fields of :class:`SamplingParams` and the dtype each resolves to (one per filter of
+:data:`vocabpar.wire.filters.FILTERS`, in its order)."""
 ROW_CONSTRAINTS = ("bias_ids", "bias", "allowed")
 """The fields of :class:`Rows` that hold the resolved request constraints (``None`` when unused)."""
 CONSTRAINT_IDS = ("allowed_token_ids", "stop_token_ids")
@@ -48,16 +51,14 @@ CONSTRAINT_IDS = ("allowed_token_ids", "stop_token_ids")
 
 RULES: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str]] = {
     "temperature": (lambda t: (t >= 0) & (t <= MAX_TEMPERATURE), f"must be in [0, {MAX_TEMPERATURE:g}]"),
-    "top_k": (lambda k: k >= -1, "must be >= -1 (0 and -1 are off)"),
-    "top_p": (lambda p: (p > 0) & (p <= 1), "must be in (0, 1]"),
-    "min_p": (lambda p: (p >= 0) & (p <= 1), "must be in [0, 1]"),
-    "top_n_sigma": (lambda n: (n >= 0) & n.isfinite(), "must be finite and >= 0 (0 or None: off)"),
+    **{f.name: f.rule for f in FILTERS},
     "repetition_penalty": (lambda r: (r > 0) & r.isfinite(), "must be finite and > 0"),
     "presence_penalty": (torch.isfinite, "must be finite"),
     "frequency_penalty": (torch.isfinite, "must be finite"),
     "seed": (lambda s: s >= 0, "must be >= 0 (None draws a fresh one)"),
 }
-"""What each per-row value must satisfy (NaN fails every rule)."""
+"""What each per-row value must satisfy (NaN fails every rule); the filters' rules are their
+:data:`vocabpar.wire.filters.FILTERS` entries'."""
 
 
 def row_seeds(seed: int, batch: int) -> torch.Tensor:

@@ -8,16 +8,17 @@ workload (:func:`sampler_paths`) and prices them with the same function. A test 
 sampler configuration and checks the collectives and bytes ``vocabpar.comm`` measured against
 :func:`price` of the reported script, message for message.
 
-Adding a sampling filter means: its messages as records (:mod:`vocabpar.wire.records`), its
-branch in :class:`SamplePath` / :func:`sample_script` and in :func:`sampler_paths`, and the
-sampler code that sends them.
+Adding a sampling filter means: its entry in :mod:`vocabpar.wire.filters`, its messages as
+records (:mod:`vocabpar.wire.records`), its branch in :class:`SamplePath` / :func:`sample_script`
+and in :func:`sampler_paths`, and the sampler code that sends them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from vocabpar.wire.filters import Sampling, candidate_count
 from vocabpar.wire.records import (
     AGREE_WIDTH,
     DRAW,
@@ -35,12 +36,6 @@ from vocabpar.wire.records import (
 )
 from vocabpar.wire.traffic import Traffic, all_gather, all_reduce, between
 
-MAX_CANDIDATES = 256
-"""top-k beyond this uses the threshold search."""
-TOP_P_CANDIDATES = 512
-"""Round-one candidates over all ranks when a row has top-p: certifies peaked (LLM-like) rows,
-which keep ~100-350 tokens."""
-MIN_P_CANDIDATES = 16
 SCORE_ROWS = 256
 """Hidden rows whose logits one scoring call computes (prompt logprobs, ``score``): no rank
 holds more than one ``[SCORE_ROWS, V/n]`` block of logits."""
@@ -71,20 +66,6 @@ def price(script: Sequence[Message], ranks: int) -> Traffic:
 
 CHECK = Message("all_gather", agreement(AGREE_WIDTH - 2), 1)
 """The per-call agreement check every entry point runs first when checks are on."""
-
-
-def candidate_count(ranks: int, widest: int, *, top_k: int, top_p: bool, min_p: bool) -> int:
-    """Round-one candidates per rank and sampled row: enough for the largest small top-k
-    (``top_k``: the largest k in ``(0, MAX_CANDIDATES]`` of any sampled row, else 0), for top-p and
-    for min-p, at most ``widest`` (the most real tokens one rank holds)."""
-    need = [1]
-    if 0 < top_k <= MAX_CANDIDATES:
-        need.append(top_k)
-    if top_p:
-        need.append(-(-TOP_P_CANDIDATES // ranks))
-    if min_p:
-        need.append(MIN_P_CANDIDATES)
-    return min(max(need), widest)
 
 
 # ---------------------------------------------------------------------- sampling
@@ -143,33 +124,37 @@ def sample_script(path: SamplePath) -> Script:
     return script
 
 
-def sampler_paths(rows: int, ranks: int, widest: int, vocab: int, *, temperature: float, top_k: int = 0,
-                  top_p: float = 1.0, min_p: float = 0.0) -> tuple[SamplePath, SamplePath]:
-    """The typical and the worst path of a sampler call on ``rows`` rows sharing one set of
-    parameters (``widest``: the most real tokens one rank holds; temperature 0 is greedy).
+def sampler_paths(rows: int, ranks: int, widest: int, vocab: int,
+                  s: Sampling) -> tuple[SamplePath, SamplePath]:
+    """The typical and the worst path of a sampler call on ``rows`` rows sharing the sampling
+    ``s`` (``widest``: the most real tokens one rank holds).
 
     Typical means LLM-like peaked rows without ties: a top-k with k <= c and top-p are settled
     by the candidates, top-p without such a top-k needs its total all-reduced, a top-k with
     k > c a threshold search of two rounds, and the token is drawn locally unless no filter
     narrows the row. The worst case (flat or tied rows) adds, wherever the code may take them,
     the total, a top-p search, a crowded settle's extra round after each search and the draw's
-    all-gather, each for every row."""
-    if temperature == 0:
+    all-gather, each for every row. Top-n-sigma's sums ride in round one; on peaked rows its floor
+    (a few sigma below the max) typically leaves no unsent token, so where round one sends more
+    than one candidate per rank no total and no draw follow."""
+    if s.greedy:
         greedy = SamplePath(rows)
         return greedy, greedy
-    k = top_k if top_k < vocab else 0  # top-k over the whole vocabulary filters nothing
-    with_top_p, with_min_p = top_p < 1, min_p > 0
-    c = candidate_count(ranks, widest, top_k=top_k, top_p=with_top_p, min_p=with_min_p)
+    c = s.candidates(ranks, widest)
+    k = s.top_k if s.top_k < vocab else 0  # top-k over the whole vocabulary filters nothing
+    with_top_p = s.top_p < 1
     unsent = c < widest  # some rank holds tokens it did not send
     searched = k > c
-    narrowed = bool(k or with_top_p or with_min_p)
+    narrowed = bool(k or with_top_p or s.min_p > 0)
+    sigma = s.top_n_sigma > 0
+    kept_unsent = unsent and not (sigma and c > 1)  # typically
     typical = SamplePath(rows, c, top_k=Search(rows, draw=not with_top_p) if searched else None,
-                         total_rows=rows * (with_top_p and unsent and not 0 < k <= c),
-                         draw_rows=rows * (unsent and not narrowed))
+                         total_rows=rows * (with_top_p and kept_unsent and not 0 < k <= c),
+                         draw_rows=rows * (kept_unsent and not narrowed), sigma=sigma)
     worst = SamplePath(rows, c, top_k=Search(rows, draw=not with_top_p, crowded=True) if searched else None,
                        total_rows=rows * (with_top_p and unsent),
                        top_p=Search(rows, draw=True, crowded=True) if with_top_p and unsent else None,
-                       draw_rows=rows * unsent)
+                       draw_rows=rows * unsent, sigma=sigma)
     return typical, worst
 
 
@@ -201,17 +186,15 @@ def verify_script(path: VerifyPath) -> Script:
     return script
 
 
-def verify_paths(batch: int, drafts: int, draft_logits: bool, ranks: int, widest: int, vocab: int, *,
-                 temperature: float, top_k: int = 0, top_p: float = 1.0,
-                 min_p: float = 0.0) -> tuple[VerifyPath, VerifyPath]:
+def verify_paths(batch: int, drafts: int, draft_logits: bool, ranks: int, widest: int, vocab: int,
+                 s: Sampling) -> tuple[VerifyPath, VerifyPath]:
     """Typical and worst path of verifying ``drafts`` tokens per row of ``batch``: one sampler
     call on the ``B·(k+1)`` target rows -- with draft logits and sampled rows the ``B·k`` draft
     rows join it, the masses of every draft position are all-reduced and, in the worst case,
     every row draws a correction (typically none does)."""
-    weigh = draft_logits and temperature != 0 and drafts > 0
+    weigh = draft_logits and not s.greedy and drafts > 0
     rows = batch * (drafts + 1 + drafts * weigh)
-    typical, worst = sampler_paths(rows, ranks, widest, vocab, temperature=temperature, top_k=top_k,
-                                   top_p=top_p, min_p=min_p)
+    typical, worst = sampler_paths(rows, ranks, widest, vocab, s)
     weighed = batch * drafts * weigh
     return VerifyPath(typical, weighed), VerifyPath(worst, weighed, batch * weigh)
 
@@ -293,27 +276,26 @@ class EnginePlan:
 
 
 def engine_plan(rows: int, ranks: int, widest: int, vocab: int, *, greedy: Sequence[bool],
-                top_k: Sequence[int], top_p: Sequence[float], min_p: Sequence[float],
-                top_n: int | None = None, search_bits: tuple[int, ...] = ENGINE_SEARCH_BITS,
-                top_n_sigma: Sequence[float] = ()) -> EnginePlan:
+                values: Mapping[str, Sequence[float]], top_n: int | None = None,
+                search_bits: tuple[int, ...] = ENGINE_SEARCH_BITS) -> EnginePlan:
     """The plan of an engine ``sample`` call padded to ``rows`` rows, from its rows' parameters
-    alone (``widest``: the most real tokens one rank holds; ``top_k`` 0 is off). Candidates as
-    the adaptive sampler sends; with some rank's tokens unsent, a top-k beyond the candidates
-    takes a search, top-p on rows without such a small top-k takes one, and the token is drawn
-    by an all-gather; with every token sent, the candidates decide everything."""
+    alone: ``greedy`` and, per filter of :data:`vocabpar.wire.filters.FILTERS`, every row's value
+    (``widest``: the most real tokens one rank holds; top-k 0 is off). Candidates as the adaptive
+    sampler sends; with some rank's tokens unsent, a top-k beyond the candidates takes a search,
+    top-p on rows without such a small top-k takes one, and the token is drawn by an all-gather;
+    with every token sent, the candidates decide everything. Top-n-sigma's sums ride in round
+    one."""
     sampled = [not g for g in greedy]
     if not any(sampled):
         return EnginePlan(rows, 0, top_n=top_n, search_bits=search_bits)
-    small = [k for s, k in zip(sampled, top_k) if s and 0 < k <= MAX_CANDIDATES]
-    c = candidate_count(ranks, widest, top_k=max(small, default=0),
-                        top_p=any(s and p < 1 for s, p in zip(sampled, top_p)),
-                        min_p=any(s and m > 0 for s, m in zip(sampled, min_p)))
+    on = {name: [v for s, v in zip(sampled, row_values) if s] for name, row_values in values.items()}
+    c = candidate_count(ranks, widest, on)
     unsent = c < widest
-    large_k = any(s and c < k < vocab for s, k in zip(sampled, top_k))
-    top_p_alone = any(s and p < 1 and not 0 < k <= c for s, k, p in zip(sampled, top_k, top_p))
+    large_k = any(c < k < vocab for k in on["top_k"])
+    top_p_alone = any(p < 1 and not 0 < k <= c for k, p in zip(on["top_k"], on["top_p"]))
     return EnginePlan(rows, c, top_k_search=unsent and large_k, top_p_search=unsent and top_p_alone,
                       draw=unsent, top_n=top_n, search_bits=search_bits,
-                      sigma=any(s and n > 0 for s, n in zip(sampled, top_n_sigma)))
+                      sigma=any(n > 0 for n in on["top_n_sigma"]))
 
 
 def engine_search_script(rows: int, bits: tuple[int, ...] = ENGINE_SEARCH_BITS) -> Script:

@@ -1,0 +1,183 @@
+"""The sampling filters, each stated once: the request parameter and the rule its values keep,
+the value that turns it off, the range the planner accepts, the round-one candidates it needs,
+and the states a step that uses it takes in the measured host-work tables.
+
+The planner's summary of a step's sampling (:data:`Sampling`), the names of its host-work entries
+(:meth:`Summary.key`, :func:`keys`), the command line's flags, the engines' batch summaries, the
+samplers' round-one sizes and the per-row checks of :class:`vocabpar.SamplingParams` read
+:data:`FILTERS`; a filter added here reaches all of them. The samplers compute each filter in
+:mod:`vocabpar.sampling`, and :mod:`vocabpar.wire.scripts` states what each one sends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, make_dataclass
+from itertools import product
+
+import torch
+
+MAX_CANDIDATES = 256
+"""top-k beyond this uses the threshold search."""
+TOP_P_CANDIDATES = 512
+"""Round-one candidates over all ranks when a row has top-p: certifies peaked (LLM-like) rows,
+which keep ~100-350 tokens."""
+MIN_P_CANDIDATES = 16
+TEMPERATURE = (0.0, 1e6)
+"""The planner's range of a step's temperature (0: greedy)."""
+
+
+@dataclass(frozen=True)
+class Filter:
+    """One filter. ``name``: its field in :class:`vocabpar.SamplingParams` and the planner's
+    keyword; ``label``: in text; ``off``: the value that turns it off; ``limits``: what the planner
+    accepts; ``kind``: ``int`` or ``float``; ``need``: the round-one candidates per rank a batch of
+    sampled rows with these values needs on ``ranks`` ranks (0: none); ``rule``: what a request's
+    per-row value must satisfy (NaN fails it) and how the error says so; ``examples``: a value
+    standing for each state a step may take with it on (``"on"``, or top-k's ``"candidates"``,
+    settled by round one, and ``"search"``, beyond it); ``strictest``: the most demanding of
+    several rows' values (the largest, or for top-p the smallest); ``counts_tokens``: the value is a
+    number of tokens (top-k)."""
+
+    name: str
+    label: str
+    off: float
+    limits: tuple[float, float]
+    kind: type
+    need: Callable[[Sequence[float], int], int]
+    rule: tuple[Callable[[torch.Tensor], torch.Tensor], str]
+    examples: dict[str, float] = field(default_factory=dict)
+    strictest: Callable[[Iterable[float]], float] = max
+    counts_tokens: bool = False
+
+    def on(self, value: float, vocab: int) -> bool:
+        """Whether ``value`` filters anything on a vocabulary of ``vocab`` tokens (a count of
+        tokens, as top-k's, filters nothing from the whole vocabulary on)."""
+        return value != self.off and not (self.counts_tokens and value >= vocab)
+
+    def state(self, value: float, vocab: int, candidates: int) -> str | None:
+        """The state a step with ``value`` takes when round one sends ``candidates`` per rank
+        (``None``: off): a count of tokens is settled by the candidates when within them, else
+        searched; any other filter is ``"on"``."""
+        if not self.on(value, vocab):
+            return None
+        if self.counts_tokens:
+            return "candidates" if value <= candidates else "search"
+        return "on"
+
+
+FILTERS: tuple[Filter, ...] = (
+    Filter("top_k", "top-k", 0, (0, 2**31), int,
+           lambda ks, ranks: max((k for k in ks if 0 < k <= MAX_CANDIDATES), default=0),
+           (lambda k: k >= -1, "must be >= -1 (0 and -1 are off)"), {"candidates": 50, "search": 1000},
+           counts_tokens=True),
+    Filter("top_p", "top-p", 1.0, (1e-9, 1.0), float,
+           lambda ps, ranks: -(-TOP_P_CANDIDATES // ranks) if any(p < 1 for p in ps) else 0,
+           (lambda p: (p > 0) & (p <= 1), "must be in (0, 1]"), {"on": 0.9}, min),
+    Filter("min_p", "min-p", 0.0, (0.0, 1.0), float,
+           lambda ms, ranks: MIN_P_CANDIDATES if any(m > 0 for m in ms) else 0,
+           (lambda p: (p >= 0) & (p <= 1), "must be in [0, 1]"), {"on": 0.05}),
+    Filter("top_n_sigma", "top-n-sigma", 0.0, (0.0, 1e6), float, lambda ns, ranks: 0,
+           (lambda n: (n >= 0) & n.isfinite(), "must be finite and >= 0 (0 or None: off)"), {"on": 1.0}),
+)
+"""Every filter a sampled row may ask for, in the order the planner names them."""
+BY_NAME = {f.name: f for f in FILTERS}
+
+
+def candidate_count(ranks: int, widest: int, values: Mapping[str, Sequence[float]]) -> int:
+    """Round-one candidates per rank and sampled row: enough for every filter's need given the
+    sampled rows' ``values`` (per filter name; a filter left out is off), at most ``widest`` (the
+    most real tokens one rank holds)."""
+    return int(min(max([1] + [f.need(values[f.name], ranks) for f in FILTERS if f.name in values]), widest))
+
+
+class Summary:
+    """The methods of :data:`Sampling`, whose fields are ``temperature`` and one per filter."""
+
+    def __post_init__(self) -> None:
+        for name, limits in (("temperature", TEMPERATURE), *((f.name, f.limits) for f in FILTERS)):
+            check_range(name, getattr(self, name), limits)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def values(self) -> dict[str, list[float]]:
+        """Each filter's value, as the one-row lists :func:`candidate_count` and the scripts read."""
+        return {f.name: [getattr(self, f.name)] for f in FILTERS}
+
+    def candidates(self, ranks: int, widest: int) -> int:
+        """Round-one candidates per rank on ``ranks`` ranks whose widest shard holds ``widest``."""
+        return 0 if self.greedy else candidate_count(ranks, widest, self.values())
+
+    def key(self, vocab: int, candidates: int) -> str:
+        """The name of this step's entries in the host-work tables: ``greedy``, or the states of
+        the filters on joined by ``+`` (``temperature`` alone when none is)."""
+        if self.greedy:
+            return "greedy"
+        return name_of({f.name: f.state(getattr(self, f.name), vocab, candidates) for f in FILTERS})
+
+    def describe(self) -> str:
+        """``"greedy"`` or the parameters in use, e.g. ``"temperature 0.8, top-p 0.9"``."""
+        if self.greedy:
+            return "greedy"
+        return ", ".join([f"temperature {self.temperature:g}"] + [
+            f"{f.label} {getattr(self, f.name):g}" for f in FILTERS if getattr(self, f.name) != f.off])
+
+
+Sampling = make_dataclass(
+    "Sampling", [("temperature", float, 0.0)] + [(f.name, f.kind, f.off) for f in FILTERS],
+    bases=(Summary,), frozen=True)
+Sampling.__module__ = __name__  # where pickle finds it
+Sampling.__doc__ = """A decode step's sampling, the same for every row: ``temperature`` 0 is
+greedy (the filters then do nothing); one field per filter of :data:`FILTERS`, each off at its
+``off`` value. Each field lies in its filter's ``limits``. ``Sampling(0.8, top_p=0.9)``."""
+
+
+def name_of(states: dict[str, str | None]) -> str:
+    """A sampled step's entry name from each filter's state (``None``: off)."""
+    parts = [name if state == "on" else f"{name}={state}" for name, state in states.items() if state]
+    return "+".join(parts) or "temperature"
+
+
+def keys() -> tuple[str, ...]:
+    """Every entry name a step may take: greedy, then each combination of the filters' states."""
+    choices = [(None, *f.examples) for f in FILTERS]
+    return ("greedy",) + tuple(name_of(dict(zip(BY_NAME, states))) for states in product(*choices))
+
+
+def states(key: str) -> dict[str, str]:
+    """The filters on in entry ``key`` and their states (``{}`` for greedy and temperature alone)."""
+    if key in ("greedy", "temperature"):
+        return {}
+    pairs = (part.partition("=") for part in key.split("+"))
+    found = {name: state or "on" for name, _, state in pairs}
+    unknown = [name for name in found if name not in BY_NAME or found[name] not in BY_NAME[name].examples]
+    if unknown:
+        raise ValueError(f"{key!r} names no filter state {unknown}; known: {', '.join(keys())}")
+    return found
+
+
+def example(key: str) -> Sampling:
+    """A step's sampling that takes ``key``'s states (temperature 1 unless greedy), from each
+    filter's example values: what the launch counts are measured on."""
+    if key == "greedy":
+        return Sampling()
+    return Sampling(1.0, **{name: BY_NAME[name].examples[state] for name, state in states(key).items()})
+
+
+def strictest(columns: Mapping[str, Sequence[float]]) -> Sampling:
+    """The planner's view of a batch's sampled rows (per filter, every sampled row's value, top-k
+    0 where off): each filter's most demanding value over the rows, so the plan prices the
+    branches the batch takes; greedy when there is no sampled row."""
+    if not any(len(column) for column in columns.values()):
+        return Sampling()
+    return Sampling(1.0, **{f.name: f.strictest(columns[f.name]) for f in FILTERS})
+
+
+def check_range(name: str, value: float, limits: tuple[float, float]) -> None:
+    """Raise ``ValueError`` unless ``value`` lies in ``limits`` (NaN never does)."""
+    low, high = limits
+    if not low <= value <= high:
+        span = ", ".join(str(x) if isinstance(x, int) else f"{x:g}" for x in (low, high))
+        raise ValueError(f"{name} must be in [{span}], got {value!r}")
