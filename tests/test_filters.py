@@ -1,6 +1,7 @@
 """The filter registry (vocabpar.wire.filters): every filter stated once, and what the planner, the
 command line and the host-work keys read from it."""
 
+import dataclasses
 import json
 
 import pytest
@@ -34,6 +35,8 @@ def test_every_key_is_named_once_and_its_example_takes_it():
 
 
 def test_a_sampling_checks_its_fields_and_says_what_it_does():
+    assert [f.name for f in dataclasses.fields(Sampling)] == ["temperature"] + list(filters.BY_NAME)
+    assert all(getattr(Sampling(), f.name) == f.off for f in filters.FILTERS)
     assert Sampling().greedy and Sampling().describe() == "greedy"
     s = Sampling(0.8, top_k=50, top_n_sigma=1.5)
     assert s.describe() == "temperature 0.8, top-k 50, top-n-sigma 1.5"

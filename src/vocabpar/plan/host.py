@@ -67,7 +67,7 @@ def fixed(launches: int, reads: int) -> HostWork:
 
 
 def verify_name(key: str, draft_logits: bool) -> str:
-    """A verification's entry name: its sampling key's (:meth:`vocabpar.wire.filters.Summary.key`),
+    """A verification's entry name: its sampling key's (:meth:`vocabpar.wire.filters.Sampling.key`),
     and ``+draft_logits`` when the drafts' logits come along (a greedy row ignores them)."""
     return key + "+draft_logits" * (draft_logits and key != "greedy")
 

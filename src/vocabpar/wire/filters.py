@@ -2,17 +2,18 @@
 the value that turns it off, the range the planner accepts, the round-one candidates it needs,
 and the states a step that uses it takes in the measured host-work tables.
 
-The planner's summary of a step's sampling (:data:`Sampling`), the names of its host-work entries
-(:meth:`Summary.key`, :func:`keys`), the command line's flags, the engines' batch summaries, the
-samplers' round-one sizes and the per-row checks of :class:`vocabpar.SamplingParams` read
-:data:`FILTERS`; a filter added here reaches all of them. The samplers compute each filter in
+The planner's summary of a step's sampling (:class:`Sampling`, one field per filter), the names
+of its host-work entries (:meth:`Sampling.key`, :func:`keys`), the command line's flags, the
+engines' batch summaries, the samplers' round-one sizes and the per-row checks of
+:class:`vocabpar.SamplingParams` read :data:`FILTERS`; a filter added here (with its field in
+:class:`Sampling`) reaches all of them. The samplers compute each filter in
 :mod:`vocabpar.sampling`, and :mod:`vocabpar.wire.scripts` states what each one sends.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import dataclass, field
 from itertools import product
 
 import torch
@@ -91,8 +92,17 @@ def candidate_count(ranks: int, widest: int, values: Mapping[str, Sequence[float
     return int(min(max([1] + [f.need(values[f.name], ranks) for f in FILTERS if f.name in values]), widest))
 
 
-class Summary:
-    """The methods of :data:`Sampling`, whose fields are ``temperature`` and one per filter."""
+@dataclass(frozen=True)
+class Sampling:
+    """A decode step's sampling, the same for every row: ``temperature`` 0 is greedy (the filters
+    then do nothing); one field per filter of :data:`FILTERS`, in its order, each off at the
+    filter's ``off`` value and within its ``limits``. ``Sampling(0.8, top_p=0.9)``."""
+
+    temperature: float = 0.0
+    top_k: int = BY_NAME["top_k"].off
+    top_p: float = BY_NAME["top_p"].off
+    min_p: float = BY_NAME["min_p"].off
+    top_n_sigma: float = BY_NAME["top_n_sigma"].off
 
     def __post_init__(self) -> None:
         for name, limits in (("temperature", TEMPERATURE), *((f.name, f.limits) for f in FILTERS)):
@@ -123,15 +133,6 @@ class Summary:
             return "greedy"
         return ", ".join([f"temperature {self.temperature:g}"] + [
             f"{f.label} {getattr(self, f.name):g}" for f in FILTERS if getattr(self, f.name) != f.off])
-
-
-Sampling = make_dataclass(
-    "Sampling", [("temperature", float, 0.0)] + [(f.name, f.kind, f.off) for f in FILTERS],
-    bases=(Summary,), frozen=True)
-Sampling.__module__ = __name__  # where pickle finds it
-Sampling.__doc__ = """A decode step's sampling, the same for every row: ``temperature`` 0 is
-greedy (the filters then do nothing); one field per filter of :data:`FILTERS`, each off at its
-``off`` value. Each field lies in its filter's ``limits``. ``Sampling(0.8, top_p=0.9)``."""
 
 
 def name_of(states: dict[str, str | None]) -> str:
