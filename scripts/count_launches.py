@@ -15,8 +15,9 @@ compiled whole (``torch.compile(fullgraph=True)``, Inductor), per sampler key on
 tables graph mode prices; and of its greedy ``sample`` with top-5 logprobs and its
 ``token_logprobs`` with top 5. Inductor lowers each program and writes its source, which is counted;
 nothing is built or run. About a minute per program on two cores (some seventy programs); without
-``--compiled`` the file's compiled tables are kept as they are, and only the keys they lack (a
-filter added since, :mod:`vocabpar.wire.filters`) are compiled and counted.
+``--compiled`` the file's compiled tables are kept (entries no key names any more dropped), and
+only the keys they lack (a filter added since, :mod:`vocabpar.wire.filters`) are compiled and
+counted.
 """
 
 from __future__ import annotations
@@ -73,6 +74,16 @@ def compiled_tables(keys: tuple[str, ...], scores: bool = True) -> dict[str, dic
     return out
 
 
+def kept_entries(compiled: dict[str, dict[str, list[int]]]) -> dict[str, dict[str, list[int]]]:
+    """The compiled tables' entries whose names are still keys (a name no key takes any more is
+    dropped)."""
+    names = filters.keys()
+    verify_names = {host.verify_name(key, draft) for key in names for draft in (False, True)}
+    return {COMPILED[0]: {k: v for k, v in compiled[COMPILED[0]].items() if k in names},
+            COMPILED[1]: {k: v for k, v in compiled[COMPILED[1]].items() if k in verify_names},
+            COMPILED[2]: compiled[COMPILED[2]]}
+
+
 def measure(compiled: dict[str, dict[str, list[int]]], compiled_date: str) -> dict:
     """The tables and their header, measured now (``compiled``: the compiled tables, measured or
     kept, and counted at ``compiled_date``)."""
@@ -119,9 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         kept = json.loads(args.out.read_text()) if args.out.exists() else {}
         if not all(isinstance(kept.get(table), dict) for table in COMPILED):
             parser.error(f"{args.out} holds no compiled tables to keep: run with --compiled")
-        compiled = {table: kept[table] for table in COMPILED}
+        compiled = kept_entries({table: kept[table] for table in COMPILED})
         compiled_date = kept["header"].get("compiled_date", kept["header"]["date"])
-        lacking = tuple(key for key in filters.keys() if key not in compiled[COMPILED[0]])
+        lacking = tuple(key for key in filters.keys() if key not in compiled[COMPILED[0]] or any(
+            host.verify_name(key, draft) not in compiled[COMPILED[1]] for draft in (False, True)))
         if lacking:  # a key the kept tables lack (a filter added since): counted now
             print(f"compiling the {len(lacking)} keys the kept tables lack: {', '.join(lacking)}")
             for table, counted in compiled_tables(lacking, scores=False).items():

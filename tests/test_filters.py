@@ -3,6 +3,7 @@ command line and the host-work keys read from it."""
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -30,8 +31,9 @@ def test_every_key_is_named_once_and_its_example_takes_it():
         assert s.key(vocab, s.candidates(ranks, widest)) == key
         if key != "greedy":
             assert filters.name_of({name: filters.states(key).get(name) for name in filters.BY_NAME}) == key
-    with pytest.raises(ValueError, match=r"'top_k=all' names no filter state \['top_k'\]"):
-        filters.states("top_k=all")
+    for bad in ("top_k=all", "min_p+top_p", "top_p=on"):  # unknown, out of order, not as named
+        with pytest.raises(ValueError, match=re.escape(f"'{bad}' is no entry name")):
+            filters.states(bad)
 
 
 def test_a_sampling_checks_its_fields_and_says_what_it_does():
@@ -48,11 +50,14 @@ def test_a_sampling_checks_its_fields_and_says_what_it_does():
             Sampling(**bad)
     with pytest.raises(TypeError, match="typical_p"):
         Sampling(typical_p=0.5)
+    with pytest.raises(ValueError, match=r"^top_k must be an integer, got 50.5"):
+        Sampling(1.0, top_k=50.5)
 
 
 def test_candidates_cover_each_filter_s_need():
     assert filters.candidate_count(8, 4000, {}) == 1
-    assert filters.candidate_count(8, 4000, {"top_k": [50, 1000, 0]}) == 50  # 1000 searches instead
+    assert filters.candidate_count(8, 4000, {"top_k": [50.0, 1000.0, 0.0]}) == 50  # 1000 searches instead
+    assert isinstance(filters.candidate_count(8, 4000, {"top_k": [50.0]}), int)
     assert filters.candidate_count(8, 4000, {"top_p": [1.0, 0.9]}) == 64  # 512 over 8 ranks
     assert filters.candidate_count(8, 4000, {"min_p": [0.1], "top_n_sigma": [1.0]}) == 16
     assert filters.candidate_count(2, 100, {"top_k": [200], "top_p": [0.9]}) == 100  # at most the shard
@@ -65,6 +70,9 @@ def test_a_batch_is_planned_as_its_most_demanding_rows():
     params = SamplingParams(temperature=[0.0, 0.7, 0.9], top_k=[5, -1, 20], top_p=[0.1, 0.9, 1.0],
                             top_n_sigma=[3.0, 0.0, 1.0])
     assert planned_sampling(params, 3, 1000) == Sampling(1.0, top_k=20, top_p=0.9, top_n_sigma=1.0)
+    assert planned_sampling(SamplingParams(temperature=0.0, top_p=0.5), 2, 1000) == Sampling()
+    wide = SamplingParams(top_k=-1, top_p=1e-12, top_n_sigma=1e9)  # on, beyond the planner's ranges
+    assert planned_sampling(wide, 2, 1000) == Sampling(1.0, top_p=1e-9, top_n_sigma=1e6)
 
 
 def test_the_planner_prices_top_n_sigma_s_words_in_round_one():
@@ -74,6 +82,16 @@ def test_the_planner_prices_top_n_sigma_s_words_in_round_one():
     assert round_one(50, sigma=True).nbytes(B) - round_one(50).nbytes(B) == B * SIGMA_WORDS * 8
     assert sigma.collectives == plain.collectives
     assert sigma.bytes - plain.bytes == (n - 1) * B * SIGMA_WORDS * 8
+    # alone it asks round one for one candidate, whose rows then draw by an all-gather, as plain
+    # temperature does
+    price = lambda **kw: sampler_traffic(B, n, widest, V, Sampling(1.0, **kw))  # noqa: E731
+    alone, plain = price(top_n_sigma=1.0), price()
+    assert alone.collectives == plain.collectives
+    assert alone.bytes - plain.bytes == (n - 1) * B * SIGMA_WORDS * 8
+    # with top-p, its floor typically leaves nothing unsent: no total to all-reduce; the worst case
+    # keeps every collective top-p may take
+    top_p, both = price(top_p=0.9), price(top_p=0.9, top_n_sigma=1.0)
+    assert both.collectives == top_p.collectives - 1 and both.collectives_worst == top_p.collectives_worst
 
 
 def test_the_dense_sampler_adds_each_filter_s_work():

@@ -220,9 +220,10 @@ def test_a_recount_of_the_compiled_greedy_step_agrees_with_the_file():
 
 
 def test_the_counting_script_compiles_only_the_keys_the_kept_tables_lack(tmp_path, monkeypatch, capsys):
-    """Without ``--compiled`` the script keeps the file's compiled tables and compiles the keys they
-    lack (a filter added since) -- and only those, without the scoring programs; the eager
-    tables are measured again (stood in for here: each is a minute of gloo ranks)."""
+    """Without ``--compiled`` the script keeps the file's compiled tables, drops the names no key
+    takes any more and compiles the keys whose sample or verify entries they lack (a filter added
+    since) -- and only those, without the scoring programs; the eager tables are measured again
+    (stood in for here: each is a minute of gloo ranks)."""
     import importlib.util
     from pathlib import Path
 
@@ -231,8 +232,10 @@ def test_the_counting_script_compiles_only_the_keys_the_kept_tables_lack(tmp_pat
     counting = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(counting)
     data = host.load(host.DATA)
-    dropped = ("top_n_sigma", "top_k=search+top_p+top_n_sigma")
-    kept = {**data, "engine_graph": {k: v for k, v in data["engine_graph"].items() if k not in dropped}}
+    dropped = ("top_n_sigma", "top_k=search+top_p+top_n_sigma")  # the second one's verify entry only
+    kept = {**data, "engine_graph": {k: v for k, v in data["engine_graph"].items() if k != dropped[0]},
+            "engine_graph_verify": {**{k: v for k, v in data["engine_graph_verify"].items()
+                                       if k != host.verify_name(dropped[1], True)}, "top_k=none": [1]}}
     out = tmp_path / "host_work.json"
     out.write_text(json.dumps(kept))
     asked = []
@@ -249,6 +252,7 @@ def test_the_counting_script_compiles_only_the_keys_the_kept_tables_lack(tmp_pat
     assert asked == [(dropped, False)]
     written = json.loads(out.read_text())
     assert written["engine_graph"] == {**kept["engine_graph"], **{key: [99] for key in dropped}}
+    assert "top_k=none" not in written["engine_graph_verify"]  # a name no key takes any more
     assert written["header"]["compiled_date"].startswith(data["header"]["compiled_date"] + "; 2 keys at ")
     assert "compiling the 2 keys the kept tables lack: top_n_sigma, top_k=search+top_p+top_n_sigma" in \
         capsys.readouterr().out

@@ -230,13 +230,12 @@ def can_verify(strategy: str) -> bool:
 
 def planned_sampling(params: SamplingParams, batch: int, vocab: int) -> plan.Sampling:
     """The planner's view of a batch's sampling: greedy when every row is; else each filter's
-    most demanding value over the sampled rows (:func:`vocabpar.wire.filters.strictest`).
+    costliest value over the sampled rows (:func:`vocabpar.wire.filters.strictest`; resolving
+    turns a top-k of -1 into 0).
     Computed on the host from the parameters alone."""
     r = params.resolve(batch, vocab)
     sampled = ~r.greedy
-    columns = {f.name: getattr(r, f.name)[sampled].tolist() for f in FILTERS}
-    columns["top_k"] = [max(k, 0) for k in columns["top_k"]]  # -1 is off, as 0
-    return strictest(columns)
+    return strictest({f.name: getattr(r, f.name)[sampled].tolist() for f in FILTERS})
 
 
 class Samplers:

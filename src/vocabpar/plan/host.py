@@ -25,7 +25,7 @@ Each design names the sampler it runs (:attr:`vocabpar.plan.Design.sampler`):
   way by running its functions at vllm-project/vllm@01fa3fe (top-k/top-p), 3e34265 (sampler),
   bf17660 (min-p), 7f6fc1c (rejection sampler, its Triton kernels interpreted) and a0aaf7f
   (logprobs), outside this repository: vLLM does not install here, so these are the one set of
-  tables typed by hand (:data:`DENSE`, :data:`DENSE_VERIFY`, :data:`DENSE_SCORE`) and no script
+  tables typed by hand (:data:`DENSE_FILTERS`, :data:`DENSE_VERIFY`, :data:`DENSE_SCORE`) and no script
   or test re-counts them. Its Triton and FlashInfer paths launch fewer kernels; its min-p writes
   through a boolean mask (one host read).
 """
@@ -135,8 +135,8 @@ DENSE_VERIFY: dict[tuple[bool, bool, bool], HostWork] = {
     (True, False, False): fixed(14, 0), (False, False, False): fixed(34, 0),
     (False, True, False): fixed(49, 0), (False, False, True): fixed(53, 0), (False, True, True): fixed(64, 0)}
 """Typed by hand, counted outside this repository: an engine's rejection sampler on full rows
-(vLLM's, with its bonus-token sampler), per (greedy, top-k, top-p); min-p and top-n-sigma, which
-apply to the bonus rows only, add what :data:`DENSE_FILTERS` says."""
+(vLLM's, with its bonus-token sampler), per (greedy, top-k, top-p); every other filter (min-p,
+top-n-sigma), which applies to the bonus rows only, adds what :data:`DENSE_FILTERS` says."""
 DENSE_SCORE: dict[bool, HostWork] = {False: fixed(6, 0), True: fixed(9, 0)}
 """Typed by hand, counted outside this repository: an engine's prompt logprobs on the gathered rows
 (vLLM's ``compute_logprobs`` and ``gather_logprobs``, one call), without and with top-n lists."""
@@ -190,7 +190,7 @@ def verify_work(sampler: str, key: str, draft_logits: bool, compiled: bool = Fal
         if key == "greedy":
             return DENSE_VERIFY[True, False, False]
         on = states(key)
-        return sum((DENSE_FILTERS[name] for name in ("min_p", "top_n_sigma") if name in on),
+        return sum((DENSE_FILTERS[name] for name in on if name not in ("top_k", "top_p")),
                    DENSE_VERIFY[False, "top_k" in on, "top_p" in on])
     raise ValueError(f"no verification host work recorded for sampler {sampler!r}")
 

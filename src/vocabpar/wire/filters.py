@@ -107,6 +107,9 @@ class Sampling:
     def __post_init__(self) -> None:
         for name, limits in (("temperature", TEMPERATURE), *((f.name, f.limits) for f in FILTERS)):
             check_range(name, getattr(self, name), limits)
+        for f in FILTERS:
+            if f.kind is int and getattr(self, f.name) != int(getattr(self, f.name)):
+                raise ValueError(f"{f.name} must be an integer, got {getattr(self, f.name)!r}")
 
     @property
     def greedy(self) -> bool:
@@ -154,8 +157,8 @@ def states(key: str) -> dict[str, str]:
     pairs = (part.partition("=") for part in key.split("+"))
     found = {name: state or "on" for name, _, state in pairs}
     unknown = [name for name in found if name not in BY_NAME or found[name] not in BY_NAME[name].examples]
-    if unknown:
-        raise ValueError(f"{key!r} names no filter state {unknown}; known: {', '.join(keys())}")
+    if unknown or name_of({name: found.get(name) for name in BY_NAME}) != key:
+        raise ValueError(f"{key!r} is no entry name (unknown: {unknown}); known: {', '.join(keys())}")
     return found
 
 
@@ -169,11 +172,15 @@ def example(key: str) -> Sampling:
 
 def strictest(columns: Mapping[str, Sequence[float]]) -> Sampling:
     """The planner's view of a batch's sampled rows (per filter, every sampled row's value, top-k
-    0 where off): each filter's most demanding value over the rows, so the plan prices the
-    branches the batch takes; greedy when there is no sampled row."""
+    0 where off): each filter's value that takes the costliest branch -- the largest top-k, min-p
+    and top-n-sigma, the smallest top-p -- brought within the planner's range (a top-n-sigma of
+    1e9 is on, as 1e6 is); greedy when there is no sampled row."""
     if not any(len(column) for column in columns.values()):
         return Sampling()
-    return Sampling(1.0, **{f.name: f.strictest(columns[f.name]) for f in FILTERS})
+    def within(f: Filter, value: float) -> float:
+        low, high = f.limits
+        return f.kind(min(max(value, low), high))
+    return Sampling(1.0, **{f.name: within(f, f.strictest(columns[f.name])) for f in FILTERS})
 
 
 def check_range(name: str, value: float, limits: tuple[float, float]) -> None:

@@ -280,22 +280,23 @@ def engine_plan(rows: int, ranks: int, widest: int, vocab: int, *, greedy: Seque
                 search_bits: tuple[int, ...] = ENGINE_SEARCH_BITS) -> EnginePlan:
     """The plan of an engine ``sample`` call padded to ``rows`` rows, from its rows' parameters
     alone: ``greedy`` and, per filter of :data:`vocabpar.wire.filters.FILTERS`, every row's value
-    (``widest``: the most real tokens one rank holds; top-k 0 is off). Candidates as the adaptive
-    sampler sends; with some rank's tokens unsent, a top-k beyond the candidates takes a search,
-    top-p on rows without such a small top-k takes one, and the token is drawn by an all-gather;
-    with every token sent, the candidates decide everything. Top-n-sigma's sums ride in round
-    one."""
+    (a filter left out is off; top-k 0 is off; ``widest``: the most real tokens one rank holds).
+    Candidates as the adaptive sampler sends; with some rank's tokens unsent, a top-k beyond the
+    candidates takes a search, top-p on rows without such a small top-k takes one, and the token
+    is drawn by an all-gather; with every token sent, the candidates decide everything.
+    Top-n-sigma's sums ride in round one."""
     sampled = [not g for g in greedy]
     if not any(sampled):
         return EnginePlan(rows, 0, top_n=top_n, search_bits=search_bits)
     on = {name: [v for s, v in zip(sampled, row_values) if s] for name, row_values in values.items()}
     c = candidate_count(ranks, widest, on)
     unsent = c < widest
-    large_k = any(c < k < vocab for k in on["top_k"])
-    top_p_alone = any(p < 1 and not 0 < k <= c for k, p in zip(on["top_k"], on["top_p"]))
+    top_k = on.get("top_k", [0] * sum(sampled))
+    large_k = any(c < k < vocab for k in top_k)
+    top_p_alone = any(p < 1 and not 0 < k <= c for k, p in zip(top_k, on.get("top_p", [])))
     return EnginePlan(rows, c, top_k_search=unsent and large_k, top_p_search=unsent and top_p_alone,
                       draw=unsent, top_n=top_n, search_bits=search_bits,
-                      sigma=any(n > 0 for n in on["top_n_sigma"]))
+                      sigma=any(n > 0 for n in on.get("top_n_sigma", [])))
 
 
 def engine_search_script(rows: int, bits: tuple[int, ...] = ENGINE_SEARCH_BITS) -> Script:
