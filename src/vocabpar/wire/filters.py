@@ -32,13 +32,13 @@ TEMPERATURE = (0.0, 1e6)
 class Filter:
     """One filter. ``name``: its field in :class:`vocabpar.SamplingParams` and the planner's
     keyword; ``label``: in text; ``off``: the value that turns it off; ``limits``: what the planner
-    accepts; ``kind``: ``int`` or ``float``; ``need``: the round-one candidates per rank a batch of
-    sampled rows with these values needs on ``ranks`` ranks (0: none); ``rule``: what a request's
-    per-row value must satisfy (NaN fails it) and how the error says so; ``examples``: a value
-    standing for each state a step may take with it on (``"on"``, or top-k's ``"candidates"``,
-    settled by round one, and ``"search"``, beyond it); ``strictest``: the most demanding of
-    several rows' values (the largest, or for top-p the smallest); ``counts_tokens``: the value is a
-    number of tokens (top-k)."""
+    accepts; ``kind``: ``int`` or ``float``; ``need``: the round-one candidates per rank a batch
+    needs on ``ranks`` ranks, given the values of the sampled rows it is on in (0: none);
+    ``rule``: what a request's per-row value must satisfy (NaN fails it) and how the error says
+    so; ``examples``: a value standing for each state a step may take with it on (``"on"``, or
+    top-k's ``"candidates"``, settled by round one, and ``"search"``, beyond it); ``strictest``:
+    the costliest of several rows' values (the largest, or for top-p the smallest);
+    ``counts_tokens``: the value is a number of tokens (top-k)."""
 
     name: str
     label: str
@@ -69,14 +69,14 @@ class Filter:
 
 FILTERS: tuple[Filter, ...] = (
     Filter("top_k", "top-k", 0, (0, 2**31), int,
-           lambda ks, ranks: max((k for k in ks if 0 < k <= MAX_CANDIDATES), default=0),
+           lambda ks, ranks: max((k for k in ks if k <= MAX_CANDIDATES), default=0),
            (lambda k: k >= -1, "must be >= -1 (0 and -1 are off)"), {"candidates": 50, "search": 1000},
            counts_tokens=True),
     Filter("top_p", "top-p", 1.0, (1e-9, 1.0), float,
-           lambda ps, ranks: -(-TOP_P_CANDIDATES // ranks) if any(p < 1 for p in ps) else 0,
+           lambda ps, ranks: -(-TOP_P_CANDIDATES // ranks) if ps else 0,
            (lambda p: (p > 0) & (p <= 1), "must be in (0, 1]"), {"on": 0.9}, min),
     Filter("min_p", "min-p", 0.0, (0.0, 1.0), float,
-           lambda ms, ranks: MIN_P_CANDIDATES if any(m > 0 for m in ms) else 0,
+           lambda ms, ranks: MIN_P_CANDIDATES if ms else 0,
            (lambda p: (p >= 0) & (p <= 1), "must be in [0, 1]"), {"on": 0.05}),
     Filter("top_n_sigma", "top-n-sigma", 0.0, (0.0, 1e6), float, lambda ns, ranks: 0,
            (lambda n: (n >= 0) & n.isfinite(), "must be finite and >= 0 (0 or None: off)"), {"on": 1.0}),
@@ -87,9 +87,11 @@ BY_NAME = {f.name: f for f in FILTERS}
 
 def candidate_count(ranks: int, widest: int, values: Mapping[str, Sequence[float]]) -> int:
     """Round-one candidates per rank and sampled row: enough for every filter's need given the
-    sampled rows' ``values`` (per filter name; a filter left out is off), at most ``widest`` (the
-    most real tokens one rank holds)."""
-    return int(min(max([1] + [f.need(values[f.name], ranks) for f in FILTERS if f.name in values]), widest))
+    sampled rows' ``values`` (per filter name; a filter left out is off; a row has a filter on
+    where its value is positive and not the filter's off value, so top-k's -1 is off), at most
+    ``widest`` (the most real tokens one rank holds)."""
+    on = {f.name: [v for v in values.get(f.name, ()) if v > 0 and v != f.off] for f in FILTERS}
+    return int(min(max([1] + [f.need(on[f.name], ranks) for f in FILTERS]), widest))
 
 
 @dataclass(frozen=True)
