@@ -2,8 +2,9 @@
 token against the target's and the draft's exact kept masses, the correction after a rejection,
 and the tokens a row emits.
 
-A schedule says which (target row, draft row) pairs to weigh and how a message crosses the
-ranks (``sum_ranks``, ``gather_ranks``); these functions compute the numbers.
+A schedule says which (row, draft position) pairs to weigh, which rows to correct and how a
+message crosses the ranks (``sum_ranks``, ``gather_ranks``); :class:`DraftMasses` and these
+functions compute the numbers.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from collections.abc import Callable
 import torch
 
 from vocabpar.kernels.fused import accept_uniforms, residual
+from vocabpar.layout import VocabLayout
+from vocabpar.sampling.ranks import Ranks
 from vocabpar.sampling.semantics import NEG_INF, accepts, merge_argmax
+from vocabpar.sampling.steps import Steps
 from vocabpar.wire.records import DRAW, MASSES, Unpacked
 
 Send = Callable[[torch.Tensor], torch.Tensor]
@@ -48,6 +52,63 @@ def correction(target_mass: torch.Tensor, target_total: torch.Tensor, draft_mass
     got = DRAW.unpack(gather_ranks(DRAW.pack(score=best, id=arg)))
     score, token = merge_argmax(got.score, got.id)
     return torch.where(score > NEG_INF, token, -1)
+
+
+class DraftMasses:
+    """Verification with draft logits: per weighed pair ``(b, i)`` (row, draft position) the
+    target's and the draft's exact kept masses and each one's mass of the draft token, summed
+    over ranks in one message; after a rejection, the correction drawn from ``(p - q)+`` in
+    another. ``steps``: the stacked rows' steps (target row ``b`` at position ``i`` is stacked at
+    ``b·(k+1) + i``, its draft row at ``B·(k+1) + slot[b]·k + i``); ``pairs``: the pairs the
+    schedule weighs, sorted by ``b·k + i``, among them every ``weighed`` one (None: every pair);
+    ``drafts`` int64 ``[B, k]``; ``positions`` ``[B]``. ``accept`` ``[B, k]``: the weighed pairs'
+    verdicts."""
+
+    def __init__(self, steps: Steps, layout: VocabLayout, ranks: Ranks, drafts: torch.Tensor,
+                 positions: torch.Tensor, weighed: torch.Tensor,
+                 pairs: tuple[torch.Tensor, torch.Tensor] | None, slot: torch.Tensor, sum_ranks: Send,
+                 gather_ranks: Send) -> None:
+        B, k = drafts.shape
+        self.every = pairs is None
+        if pairs is None:
+            pair = torch.arange(B * k, device=drafts.device)
+            pairs = pair // k, pair % k
+        b, i = pairs
+        self.steps, self.positions, self.weighed, self.k = steps, positions, weighed, k
+        self.gather_ranks, self.key = gather_ranks, b * k + i
+        self.target_rows, self.draft_rows = b * (k + 1) + i, B * (k + 1) + slot[b] * k + i
+        cols, owned = (t.to(b.device) for t in layout.local_ids(drafts[b, i], ranks.me))
+        self.total, accept = weigh(steps.kept_total_and_at, self.target_rows, self.draft_rows, cols, owned,
+                                   steps.rows.seed[self.target_rows], positions[b] + i, sum_ranks)
+        if not self.every:
+            accept = torch.zeros(B * k, dtype=torch.bool, device=b.device).index_put((self.key,), accept)
+        self.accept = accept.view(B, k)
+
+    def rejected(self, accepted: torch.Tensor) -> torch.Tensor:
+        """Bool ``[B]``: the rows whose first rejected draft was weighed."""
+        k = self.k
+        return (accepted < k) & self.weighed.gather(1, accepted.clamp(max=max(k - 1, 0))[:, None])[:, 0]
+
+    def correct(self, last: torch.Tensor, accepted: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """``last`` with the correction of each of ``rows`` (the schedule's choice, sorted, among
+        them every :meth:`rejected` one; None: every row) that rejected a weighed draft; a row
+        where ``p <= q`` everywhere (only when rounding makes them equal) keeps the target's own
+        draw."""
+        k, steps = self.k, self.steps
+        fixed = self.rejected(accepted)
+        if rows is not None:
+            accepted, fixed = accepted[rows], fixed[rows]
+        every_row = torch.arange(last.shape[0], device=last.device) if rows is None else rows
+        j = accepted.clamp(max=k - 1)
+        # the pair (row, j)
+        f = every_row * k + j if self.every else torch.searchsorted(self.key, every_row * k + j)
+        target, draft = self.target_rows[f], self.draft_rows[f]
+        token = correction(steps.kept_mass(target), self.total.target_total[f], steps.kept_mass(draft),
+                           self.total.draft_total[f], steps.rows.seed[target], self.positions[every_row] + j,
+                           steps.ids, self.gather_ranks)
+        if rows is None:
+            return torch.where(fixed & (token >= 0), token, last)
+        return last.index_put((rows,), torch.where(fixed & (token >= 0), token, last[rows]))
 
 
 def emitted(drafts: torch.Tensor, accepted: torch.Tensor, last: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,6 @@ comes from the merged candidates, and the largest value a rank did not send boun
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -17,18 +16,7 @@ from vocabpar.sampling.params import Rows
 from vocabpar.sampling.ranks import Ranks
 from vocabpar.sampling.semantics import NEG_INF, mass_shift, merge_argmax
 from vocabpar.wire.filters import BY_NAME, FILTERS, candidate_count
-from vocabpar.wire.records import round_one
-
-
-@dataclass(frozen=True)
-class RoundOne:
-    """Gathered per-rank facts, each ``[n, B, ...]``."""
-
-    max: torch.Tensor  # float64 [n, B], NaN where the shard's row has a NaN logit
-    max_id: torch.Tensor  # int64 [n, B]
-    cand: torch.Tensor  # float64 [n, B, c] values (float32-exact), desc
-    cand_id: torch.Tensor  # int64 [n, B, c], -1 = none
-    sigma: torch.Tensor | None = None  # int64 [n, B, 5]: top-n-sigma's sums, when a row asks
+from vocabpar.wire.records import Unpacked, round_one
 
 
 def candidates_per_rank(rows: Rows, V: int, ranks: Ranks) -> int:
@@ -81,11 +69,11 @@ def round_one_fields(raw: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, c: i
 
 
 def gather_round_one(raw: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, c: int, ranks: Ranks,
-                     sigma: torch.Tensor | None = None) -> RoundOne:
-    """One all-gather of :func:`vocabpar.wire.records.round_one` (:func:`round_one_fields`)."""
+                     sigma: torch.Tensor | None = None) -> Unpacked:
+    """One all-gather of :func:`vocabpar.wire.records.round_one` (:func:`round_one_fields`): every
+    rank's fields, each ``[n, B, ...]``."""
     record = round_one(c, sigma=sigma is not None)
-    got = record.unpack(ranks.gather(record.pack(**round_one_fields(raw, x, ids, c, sigma=sigma))))
-    return RoundOne(got.max, got.max_id, got.values, got.ids, None if sigma is None else got.sigma)
+    return record.unpack(ranks.gather(record.pack(**round_one_fields(raw, x, ids, c, sigma=sigma))))
 
 
 def merged_max(maxima: torch.Tensor, max_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -95,16 +83,18 @@ def merged_max(maxima: torch.Tensor, max_ids: torch.Tensor) -> tuple[torch.Tenso
     return best, token, maxima.isnan().any(0)
 
 
-def unsent_mass(first: RoundOne, t: torch.Tensor, z_max: torch.Tensor, ranks: Ranks, V: int) -> torch.Tensor:
+def unsent_mass(sent: torch.Tensor, t: torch.Tensor, z_max: torch.Tensor, ranks: Ranks,
+                V: int) -> torch.Tensor:
     """A guess (float64 ``[B]``, in the units of
     :func:`~vocabpar.sampling.semantics.scaled_mass`) of the mass of the tokens no rank sent:
     each rank's tail continues the power law through its candidates of ranks c/2 and c
     (geometric tails, flat tails and Zipf tails all fit one), for as many tokens as it holds.
-    Used only to choose between two exact paths."""
-    c = first.cand.shape[2]
+    Used only to choose between two exact paths. ``sent``: float64 ``[n, B, c]``, each rank's
+    candidates."""
+    c = sent.shape[2]
     half = max(c // 2, 1)
-    last = torch.exp(first.cand[..., c - 1] / t - z_max).nan_to_num(0.0)
-    middle = torch.exp(first.cand[..., half - 1] / t - z_max)
+    last = torch.exp(sent[..., c - 1] / t - z_max).nan_to_num(0.0)
+    middle = torch.exp(sent[..., half - 1] / t - z_max)
     a = (torch.log(middle / last) / math.log(c / half)).nan_to_num(0.0).clamp(min=0.0, max=50.0)
     unsent = torch.tensor([max(count - c, 0) for count in ranks.real_counts], dtype=torch.float64)[:, None]
     # sum over j in (c, c + unsent] of last * (c / j)**a, as an integral

@@ -40,11 +40,11 @@ from vocabpar.layout import VocabLayout
 from vocabpar.plan.machine import link
 from vocabpar.sampling import sigma
 from vocabpar.sampling.acceptance import emitted
-from vocabpar.sampling.candidates import merged_max, round_one_fields
+from vocabpar.sampling.candidates import round_one_fields
 from vocabpar.sampling.constraints import HeldStops, held_stops
 from vocabpar.sampling.dense import padded
 from vocabpar.sampling.failures import Check, Failures, Packed, fold_problem, rejected_input
-from vocabpar.sampling.fixed import DraftPairs, MaskedRows
+from vocabpar.sampling.fixed import Flagged, fixed_draft_masses
 from vocabpar.sampling.params import (
     ROW_CONSTRAINTS,
     ROW_FIELDS,
@@ -57,15 +57,16 @@ from vocabpar.sampling.params import (
     describe,
 )
 from vocabpar.sampling.ranks import group_ranks, param_words, params_fact, row_fingerprints
+from vocabpar.sampling.schedules import Fixed
 from vocabpar.sampling.scoring import TokenLogprobs, local_scores, merged_scores
 from vocabpar.sampling.semantics import (
-    NEG_INF,
     SampleOutput,
     VerifyOutput,
     processed_logits,
     with_logprobs,
 )
 from vocabpar.sampling.stacked import every_row_index
+from vocabpar.sampling.steps import draw_from_round_one
 from vocabpar.wire.filters import FILTERS
 from vocabpar.wire.records import INPUT_WORDS, folded, round_one, score
 from vocabpar.wire.scripts import ENGINE_FACTS as FACTS
@@ -289,7 +290,7 @@ class Sampler:
         tokens = choice.tokens
         fields = {"tokens": tokens}
         if batch.plan.top_n is not None:
-            source = choice.raw if batch.rows.logprobs_of == "raw" else choice.drawn_from()
+            source = choice.raw if batch.rows.logprobs_of == "raw" else choice.drawn.drawn_from()
             scores = self._score(source, tokens.clamp(min=0), batch.plan.top_n)
             n = batch.top_n
             out = with_logprobs(tokens, batch.rows.logprobs, scores.logprobs, scores.ranks,
@@ -348,15 +349,14 @@ class Sampler:
         choice = self._choose(raw, rows, positions, plan, facts, row_facts, problem, rejected)
         drawn = choice.tokens[: B * (k + 1)].view(B, k + 1)
         accept = drafts == drawn[:, :k]
-        pairs = None
-        if drafted:
-            pairs = DraftPairs(self.ranks, self.layout, plan.rows, choice, batch.rows, batch.positions,
-                               drafts)
-            accept = torch.where(pairs.weighed, pairs.accept, accept)
+        masses = fixed_draft_masses(choice, self.layout, self.ranks, plan, batch.positions, drafts) \
+            if drafted else None
+        if masses is not None:
+            accept = torch.where(masses.weighed, masses.accept, accept)
         accepted = accept.long().cumprod(1).sum(1)
         last = drawn.gather(1, accepted[:, None])[:, 0]
-        if pairs is not None:
-            last = pairs.correct(last, accepted)
+        if masses is not None:  # every row, corrected where it rejected a weighed draft
+            last = masses.correct(last, accepted, None)
         used = choice.codes if in_use is None else torch.where(in_use, choice.codes, 0)
         codes = torch.zeros(B, dtype=torch.long, device=device).scatter_reduce(0, at, used, "amax")
         failed = (codes != 0) | choice.check.failed()
@@ -457,7 +457,7 @@ class Sampler:
 
     def _choose(self, raw: torch.Tensor, rows: Rows, positions: torch.Tensor, plan: EnginePlan,
                 facts: torch.Tensor, row_facts: torch.Tensor, problem: torch.Tensor, rejected: torch.Tensor,
-                token_counts: TokenCounts | None = None, bitmask: torch.Tensor | None = None) -> MaskedRows:
+                token_counts: TokenCounts | None = None, bitmask: torch.Tensor | None = None) -> Flagged:
         """Round one (carrying the check: ``facts``, ``row_facts`` ``[plan.rows]``, this rank's
         (code, row) ``problem`` and ``rejected`` input words), thresholds and the draw on the
         ``B`` rows of float32 ``raw``, with the collectives of ``plan`` and no host read."""
@@ -476,16 +476,10 @@ class Sampler:
                                      input=rejected[None], facts=facts[None], row_facts=row_facts[None])
         got = first_message.unpack(self.ranks.gather(message)[:, 0])
         first = record.unpack(got.rows.view(n, M, -1)[:, :B])
-        best, tokens, nan_rows = merged_max(first.max, first.max_id)
-        codes = torch.where(nan_rows, 1, torch.where(best == NEG_INF, 2, 0))
-        sampled = ~rows.greedy & (best < float("inf")) & (codes == 0)
-        if plan.sigma:  # top-n-sigma: a mask ahead of every other filter
-            x, first.values = sigma.applied(x, first.values, first.sigma.sum(0), best, rows)
         check = Check.of(got, self._countdown(device, M))
-        choice = MaskedRows(raw, x, ids, real, tokens, sampled, codes, check, V)
-        if c == 0:
-            return choice.settle(tokens)
-        return choice.sample(self.ranks, rows, positions, plan, first, best)
+        drawn = draw_from_round_one(x, ids, rows, positions, self.ranks, V, first, Fixed(plan),
+                                    with_sigma=plan.sigma, ties=True)
+        return Flagged.of(raw, check, drawn)
 
 
 def _any_rows(*tensors: torch.Tensor | None, dims: tuple[int, ...] = (0,)) -> None:

@@ -10,7 +10,6 @@ in which rows they run them on and what they send after.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
@@ -27,7 +26,9 @@ class Merged:
     value it sent, and whether it holds tokens it did not send (``unsent`` ``[n, 1]``). Per
     candidate ``[B, n·c]``: value ``cand`` (float64, float32-exact), ``cand_id`` (-1: padding),
     ``cand_z = cand / t``, and the order keys sorted descending (``key_sorted``, padding last)
-    with their positions ``key_order``. ``scale``: the masses' ``mass_shift``."""
+    with their positions ``key_order``. ``unsent_max`` float64 ``[B]``: the largest value some rank
+    held but did not send (-inf when nothing is unsent): every unsent token is ``<= unsent_max``.
+    ``scale``: the masses' ``mass_shift``."""
 
     temperature: torch.Tensor
     z_max: torch.Tensor
@@ -40,13 +41,8 @@ class Merged:
     cand_z: torch.Tensor
     key_sorted: torch.Tensor
     key_order: torch.Tensor
+    unsent_max: torch.Tensor
     scale: int
-
-    @cached_property
-    def unsent_max(self) -> torch.Tensor:
-        """float64 ``[B]``: the largest value some rank held but did not send (-inf when nothing
-        is unsent): every unsent token is ``<= unsent_max``."""
-        return torch.where(self.unsent, self.last, NEG_INF).max(0).values
 
     @property
     def nothing_unsent(self) -> torch.Tensor:
@@ -114,5 +110,6 @@ def merge_candidates(values: torch.Tensor, ids: torch.Tensor, rows: Rows, positi
     unsent = torch.tensor([[c < count] for count in real_counts], device=values.device)
     last = values[:, :, c - 1] if c else values.new_full((n, B), NEG_INF)
     min_z, keys = min_p_threshold(z_max, rows.min_p), sample_keys(rows.seed, positions)
+    unsent_max = torch.where(unsent, last, NEG_INF).max(0).values
     return Merged(t, z_max, min_z, keys, last, unsent, cand, cand_id, cand / t[:, None], key_sorted,
-                  key_order, mass_shift(vocab_size))
+                  key_order, unsent_max, mass_shift(vocab_size))

@@ -36,8 +36,8 @@ import torch
 
 from vocabpar import comm
 from vocabpar.layout import VocabLayout
-from vocabpar.sampling.acceptance import correction, emitted, weigh
-from vocabpar.sampling.adaptive import Drawn, choose
+from vocabpar.sampling.acceptance import DraftMasses, emitted
+from vocabpar.sampling.adaptive import choose
 from vocabpar.sampling.constraints import held_back
 from vocabpar.sampling.params import (
     Rows,
@@ -111,70 +111,27 @@ def _verify_on_device(target_logits, layout, params, draft_tokens, positions, dr
             return f"target row {j // (k + 1)} position {j % (k + 1)}"
         return f"draft row {drafted[(j - targets) // k].item()} position {(j - targets) % k}"
 
-    choice = choose(raw, layout, ranks, rows, pos[index] + offset,
-                    draws=torch.arange(index.numel()) < targets, row_name=row_name)
+    choice, drawn_path = choose(raw, layout, ranks, rows, pos[index] + offset,
+                                draws=torch.arange(index.numel()) < targets, row_name=row_name)
     drawn = choice.tokens[:targets].view(B, k + 1)
     accept = drafts == drawn[:, :k]
     weighed = torch.zeros(B, k, dtype=torch.bool)
     if drafted.numel():
         weighed = choice.sampled[:targets].view(B, k + 1)[:, :k]
-    masses, path = None, VerifyPath(replace(choice.path, checked=checked))
+    masses, path = None, VerifyPath(replace(drawn_path, checked=checked))
     if bool(weighed.any()):
         slot = torch.full((B,), -1, dtype=torch.long)
         slot[drafted] = torch.arange(drafted.numel())
-        masses = _Masses(choice, layout, ranks, drafts, pos, weighed, k, slot)
+        pairs = weighed.nonzero(as_tuple=True)  # the weighed pairs only
+        masses = DraftMasses(choice.steps, layout, ranks, drafts, pos, weighed, pairs, slot, ranks.sum,
+                             ranks.gather)
         accept = torch.where(weighed, masses.accept, accept)
-        path = replace(path, weighed=masses.b.numel())
+        path = replace(path, weighed=masses.key.numel())
     accepted = accept.long().cumprod(1).sum(1)
     last = drawn.gather(1, accepted[:, None])[:, 0]
-    if masses is not None:
-        last = masses.correct(last, accepted)
-        path = replace(path, rejected=masses.rejected)
+    rejected = None if masses is None else masses.rejected(accepted).nonzero()[:, 0]  # the rows to correct
+    if rejected is not None and rejected.numel():
+        last = masses.correct(last, accepted, rejected)
+        path = replace(path, rejected=rejected.numel())
     tokens = emitted(drafts, accepted, last)
     return VerifyOutput(accepted, tokens, verify_script(path))
-
-
-class _Masses:
-    """The draft-logit positions' exact masses: per weighed (row, position) the target's and the
-    draft's totals and masses of the draft token, summed over ranks in one all-reduce."""
-
-    def __init__(self, choice: Drawn, layout: VocabLayout, ranks: Ranks, drafts: torch.Tensor,
-                 pos: torch.Tensor, weighed: torch.Tensor, k: int, slot: torch.Tensor) -> None:
-        B = drafts.shape[0]
-        self.choice, self.ranks, self.pos, self.k, self.slot = choice, ranks, pos, k, slot
-        b, i = weighed.nonzero(as_tuple=True)
-        cols, owned = layout.local_ids(drafts[b, i], ranks.me)
-        target, draft = self._rows(b, i)
-        step = choice.step
-        kept_total_and_at = lambda rows, at: step.kept_total_and_at(rows, choice.thr, at)  # noqa: E731
-        total, accept = weigh(kept_total_and_at, target, draft, cols, owned, step.rows.seed[target],
-                              pos[b] + i, ranks.sum)
-        self.accept = torch.zeros(B, k, dtype=torch.bool)
-        self.accept[b, i] = accept
-        self.weighed, self.total, self.b, self.i, self.rejected = weighed, total, b, i, 0
-
-    def _rows(self, b: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stacked indices of the target's and the draft's rows at (b, i)."""
-        targets = self.pos.shape[0] * (self.k + 1)
-        return b * (self.k + 1) + i, targets + self.slot[b] * self.k + i
-
-    def correct(self, last: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
-        """The corrections of the rows that rejected a weighed draft: Gumbel-max over ``(p - q)+``
-        (one all-gather of each rank's best (score, id)); a row where ``p <= q`` everywhere (only
-        when rounding makes them equal) keeps the target's own draw."""
-        k = self.k
-        rejected = (accepted < k) & self.weighed.gather(1, accepted.clamp(max=max(k - 1, 0))[:, None])[:, 0]
-        b = rejected.nonzero().flatten()
-        if not b.numel():
-            return last
-        j = accepted[b]
-        f = torch.searchsorted(self.b * k + self.i, b * k + j)  # the weighed entry of (b, j)
-        target, draft = self._rows(b, j)
-        step, thr = self.choice.step, self.choice.thr
-        token = correction(step.kept_mass(target, thr), self.total.target_total[f],
-                           step.kept_mass(draft, thr), self.total.draft_total[f], step.rows.seed[target],
-                           self.pos[b] + j, self.ranks.ids, self.ranks.gather)
-        self.rejected = b.numel()
-        last = last.clone()
-        last[b] = torch.where(token >= 0, token, last[b])
-        return last
