@@ -16,8 +16,8 @@ tables graph mode prices; and of its greedy ``sample`` with top-5 logprobs and i
 ``token_logprobs`` with top 5. Inductor lowers each program and writes its source, which is counted;
 nothing is built or run. About a minute per program on two cores (some seventy programs); without
 ``--compiled`` the file's compiled tables are kept (entries no key names any more dropped), and
-only the keys they lack (a filter added since, :mod:`vocabpar.wire.filters`) are compiled and
-counted.
+only the keys they lack (a filter added since, :mod:`vocabpar.wire.filters`) and those named by
+``--recount KEY ...`` (a change that touched their programs) are compiled and counted.
 """
 
 from __future__ import annotations
@@ -121,9 +121,16 @@ def main(argv: list[str] | None = None) -> int:
                                                  "code paths and write the planner's data file.")
     parser.add_argument("--out", type=Path, default=host.DATA, help="where to write (default: %(default)s)")
     parser.add_argument("--compiled", action="store_true",
-                        help="also count every compiled engine program (over an hour); else keep the "
+                        help="also count every compiled engine program (about 45 minutes); else keep the "
                              "file's and count only the keys it lacks")
+    parser.add_argument("--recount", nargs="+", default=(), metavar="KEY",
+                        help="without --compiled: also count these keys' compiled programs again (a "
+                             "change that touched them), keeping the file's other entries")
     args = parser.parse_args(argv)
+    unknown = [key for key in args.recount if key not in filters.keys()]
+    if unknown or (args.recount and args.compiled):
+        parser.error(f"--recount takes sampler keys ({', '.join(filters.keys())}) and not --compiled; "
+                     f"got {', '.join(unknown) or '--compiled'}")
     if args.compiled:
         compiled, compiled_date = compiled_tables(filters.keys()), _now()
     else:
@@ -132,10 +139,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{args.out} holds no compiled tables to keep: run with --compiled")
         compiled = kept_entries({table: kept[table] for table in COMPILED})
         compiled_date = kept["header"].get("compiled_date", kept["header"]["date"])
-        lacking = tuple(key for key in filters.keys() if key not in compiled[COMPILED[0]] or any(
-            host.verify_name(key, draft) not in compiled[COMPILED[1]] for draft in (False, True)))
-        if lacking:  # a key the kept tables lack (a filter added since): counted now
-            print(f"compiling the {len(lacking)} keys the kept tables lack: {', '.join(lacking)}")
+        missing = lambda key: key not in compiled[COMPILED[0]] or any(  # noqa: E731
+            host.verify_name(key, draft) not in compiled[COMPILED[1]] for draft in (False, True))
+        lacking = tuple(key for key in filters.keys() if key in args.recount or missing(key))
+        if lacking:  # a key the kept tables lack (a filter added since) or asked for: counted now
+            print(f"compiling the {len(lacking)} keys asked for or lacking: {', '.join(lacking)}")
             for table, counted in compiled_tables(lacking, scores=False).items():
                 compiled[table] |= counted
             compiled_date = f"{compiled_date}; {len(lacking)} keys at {_now()}"

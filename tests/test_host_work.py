@@ -219,11 +219,13 @@ def test_a_recount_of_the_compiled_greedy_step_agrees_with_the_file():
                                            f"rerun `{host.REGENERATE} --compiled`")
 
 
-def test_the_counting_script_compiles_only_the_keys_the_kept_tables_lack(tmp_path, monkeypatch, capsys):
+def test_the_counting_script_compiles_only_the_keys_the_tables_lack_or_it_is_asked_to(tmp_path, monkeypatch,
+                                                                                       capsys):
     """Without ``--compiled`` the script keeps the file's compiled tables, drops the names no key
     takes any more and compiles the keys whose sample or verify entries they lack (a filter added
-    since) -- and only those, without the scoring programs; the eager tables are measured again
-    (stood in for here: each is a minute of gloo ranks)."""
+    since) and those ``--recount`` names -- and only those, without the scoring programs; the
+    eager tables are measured again (stood in for here: each is a minute of gloo ranks). A
+    ``--recount`` of no key, or beside ``--compiled``, is refused."""
     import importlib.util
     from pathlib import Path
 
@@ -254,8 +256,17 @@ def test_the_counting_script_compiles_only_the_keys_the_kept_tables_lack(tmp_pat
     assert written["engine_graph"] == {**kept["engine_graph"], **{key: [99] for key in dropped}}
     assert "top_k=none" not in written["engine_graph_verify"]  # a name no key takes any more
     assert written["header"]["compiled_date"].startswith(data["header"]["compiled_date"] + "; 2 keys at ")
-    assert "compiling the 2 keys the kept tables lack: top_n_sigma, top_k=search+top_p+top_n_sigma" in \
+    assert "compiling the 2 keys asked for or lacking: top_n_sigma, top_k=search+top_p+top_n_sigma" in \
         capsys.readouterr().out
     asked.clear()
     out.write_text(json.dumps(data))
     assert counting.main(["--out", str(out)]) == 0 and asked == []  # nothing lacking: nothing compiled
+    # --recount: the keys a change touched, counted again; the others kept
+    out.write_text(json.dumps(data))
+    assert counting.main(["--out", str(out), "--recount", "top_p", "temperature"]) == 0
+    assert asked == [(("temperature", "top_p"), False)]
+    assert json.loads(out.read_text())["engine_graph"]["top_k=search"] == data["engine_graph"]["top_k=search"]
+    for bad in (["--recount", "top_q"], ["--compiled", "--recount", "top_p"]):
+        with pytest.raises(SystemExit):
+            counting.main(["--out", str(out), *bad])
+        assert "--recount takes sampler keys" in capsys.readouterr().err
