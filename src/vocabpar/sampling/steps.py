@@ -83,9 +83,9 @@ class Schedule(Protocol):
 @dataclass
 class Steps:
     """A call's state after round one: this shard's processed logits ``x`` ``[B, columns]``, the
-    columns' ``ids``, the rows' parameters, which rows are ``sampled``, the candidates each rank
-    sent (``sent`` float64 ``[n, B, c]``, after top-n-sigma) and their merge ``m`` (everything a
-    rank holds above ``m.unsent_max`` is among them); ``tied`` (int64 ``[n, B]``, when round one
+    columns' ``ids``, the rows' parameters, which rows are ``sampled``, the merge ``m`` of the ``c``
+    candidates each rank sent, after top-n-sigma (everything a rank holds above ``m.unsent_max``
+    is among them); ``tied`` (int64 ``[n, B]``, when round one
     counts them): each rank's unsent tokens equal to the last value it sent. :meth:`thresholds`
     sets ``thr`` (a row keeps ``x >= thr``, ``z >= min_z``)."""
 
@@ -96,7 +96,6 @@ class Steps:
     ranks: Ranks
     V: int
     c: int
-    sent: torch.Tensor
     m: Merged
     schedule: Schedule
     tied: torch.Tensor | None = None
@@ -105,7 +104,11 @@ class Steps:
         self.drawn: torch.Tensor | None = None
         """int64 ``[B]`` once a search drew its rows: their tokens, -1 elsewhere."""
         self.thr: torch.Tensor | None = None
-        self.k_sent: torch.Tensor | None = None
+
+    @property
+    def sent(self) -> torch.Tensor:
+        """float64 ``[n, B, c]``: the candidates each rank sent (a view of the merged ones)."""
+        return self.m.cand.unflatten(1, (self.ranks.n, self.c)).transpose(0, 1)
 
     def rows_of(self, sel: torch.Tensor) -> torch.Tensor:
         """This shard's logits of rows ``sel`` (sorted, distinct): ``x`` itself, not a copy, when
@@ -119,24 +122,27 @@ class Steps:
 
     def thresholds(self) -> torch.Tensor:
         """``thr`` per row: the larger of the top-k and the top-p threshold (-inf where off)."""
-        kappa = self.top_k_threshold()
-        self.thr = torch.maximum(kappa, self.top_p_threshold(kappa))
+        k = self.rows.top_k
+        topk = self.sampled & (k > 0) & (k < self.V)
+        k_sent = topk & (k <= self.c)  # the top-k set lies in every rank's candidates
+        kappa = self.top_k_threshold(topk, k_sent)
+        self.thr = torch.maximum(kappa, self.top_p_threshold(kappa, k_sent))
         return self.thr
 
-    def top_k_threshold(self) -> torch.Tensor:
-        """``kappa`` per row (-inf without top-k): the k-th largest value, from the candidates
-        where they certify it, else from the schedule's threshold search."""
-        m, k = self.m, self.rows.top_k
-        topk = self.sampled & (k > 0) & (k < self.V)
-        self.k_sent = topk & (k <= self.c)  # the top-k set lies in every rank's candidates
-        exact = self.k_sent | (topk & m.nothing_unsent)
-        kappa = torch.where(exact, m.kth_value(k), NEG_INF)
+    def top_k_threshold(self, topk: torch.Tensor, k_sent: torch.Tensor) -> torch.Tensor:
+        """``kappa`` per row (-inf outside ``topk``, the rows with top-k): the k-th largest value,
+        from the candidates where they certify it (``k_sent``: the top-k set lies in them; or
+        nothing is unsent), else from the schedule's threshold search."""
+        m = self.m
+        exact = k_sent | (topk & m.nothing_unsent)
+        kappa = torch.where(exact, m.kth_value(self.rows.top_k), NEG_INF)
         return self.schedule.top_k_search(self, topk & ~exact, kappa)
 
-    def top_p_threshold(self, kappa: torch.Tensor) -> torch.Tensor:
+    def top_p_threshold(self, kappa: torch.Tensor, k_sent: torch.Tensor) -> torch.Tensor:
         """``tau`` per row (-inf without top-p), from exact integer masses of the pool: the
         candidates' cut where they hold the pool's total and every token above the cut, else the
-        schedule's totals and threshold search."""
+        schedule's totals and threshold search. ``k_sent``: rows whose top-k set lies in the
+        candidates."""
         m, order = self.m, self.rows.filter_order
         t, min_z, unsent_max = m.temperature, m.min_z, m.unsent_max
         tau = torch.full_like(kappa, NEG_INF)
@@ -154,7 +160,7 @@ class Steps:
             tie_in = (kappa > NEG_INF) & ((kappa_z >= min_z) if order == "vllm" else True)
             tied = torch.where(m.unsent & (m.last == kappa[None]), self.tied, 0).sum(0)
             total = total + torch.where(tie_in, tied * mass(kappa_z, m.z_max, self.V), 0)
-            complete = self.k_sent | m.nothing_unsent
+            complete = k_sent | m.nothing_unsent
         total, folded = self.schedule.pool_totals(self, topp & ~complete, cand_mass, total, kappa)
         target = top_p_target(total, self.rows.top_p)
         reached, cut = m.top_p_cut(cand_mass, target)
@@ -253,7 +259,7 @@ def draw_from_round_one(x: torch.Tensor, ids: torch.Tensor, rows: Rows, position
         merged = merge_candidates(values, first.ids, rows, positions, sampled, best, ranks.real_counts, V)
         # each rank's unsent tokens equal to the last value it sent: its ties less those it sent
         tied = first.ties - ((values == merged.last[..., None]) & (first.ids >= 0)).sum(2) if ties else None
-        steps = Steps(x, ids, rows, sampled, ranks, V, c, values, merged, schedule, tied)
+        steps = Steps(x, ids, rows, sampled, ranks, V, c, merged, schedule, tied)
         steps.thresholds()
         tokens = steps.draw(tokens, draws)
     return Drawn(tokens, x, sampled, codes, steps)
