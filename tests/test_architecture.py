@@ -121,3 +121,19 @@ def test_no_source_file_over_the_limit():
 def test_integrations_do_not_import_each_other_both_ways():
     hf, spec = "vocabpar.integrations.hf", "vocabpar.integrations.speculative"
     assert hf not in GRAPH[spec], "the speculative loop must not import the Hugging Face drop-in"
+
+
+def test_a_mask_filter_is_named_in_four_source_files_only():
+    """A mask filter (one whose floor comes from exact sums that ride in round one) is its entry in
+    ``wire/filters.py``, its parameter in ``sampling/params.py``, its module and its line in
+    ``sampling/masks.py``: the records, the scripts, both schedules, the reference and the planner
+    take it from the registry, never by name."""
+    from vocabpar.sampling.masks import MASKS
+    from vocabpar.wire.filters import MASK_NAMES
+
+    assert MASK_NAMES and set(MASKS) == set(MASK_NAMES)
+    for name in MASK_NAMES:
+        module = MASKS[name].__name__
+        naming = {m for m, path in MODULES.items() if name in path.read_text()}
+        allowed = {"vocabpar.wire.filters", "vocabpar.sampling.params", "vocabpar.sampling.masks", module}
+        assert naming <= allowed, f"{name} is named in {sorted(naming - allowed)}"

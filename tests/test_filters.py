@@ -13,7 +13,9 @@ from vocabpar.plan import Sampling, host
 from vocabpar.plan.model import sampler_traffic
 from vocabpar.sampling import SamplingParams
 from vocabpar.wire import filters
-from vocabpar.wire.records import SIGMA_WORDS, round_one
+from vocabpar.wire.records import round_one
+
+SIGMA_WORDS = filters.BY_NAME["top_n_sigma"].words
 
 
 def test_every_key_is_named_once_and_its_example_takes_it():
@@ -79,7 +81,7 @@ def test_the_planner_prices_top_n_sigma_s_words_in_round_one():
     B, n, widest, V = 16, 4, 3000, 12000
     plain = sampler_traffic(B, n, widest, V, Sampling(1.0, top_k=50))
     sigma = sampler_traffic(B, n, widest, V, Sampling(1.0, top_k=50, top_n_sigma=1.0))
-    assert round_one(50, sigma=True).nbytes(B) - round_one(50).nbytes(B) == B * SIGMA_WORDS * 8
+    assert round_one(50, masks=("top_n_sigma",)).nbytes(B) - round_one(50).nbytes(B) == B * SIGMA_WORDS * 8
     assert sigma.collectives == plain.collectives
     assert sigma.bytes - plain.bytes == (n - 1) * B * SIGMA_WORDS * 8
     # alone it asks round one for one candidate, whose rows then draw by an all-gather, as plain

@@ -38,7 +38,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from vocabpar.wire.filters import states
+from vocabpar.wire.filters import FILTERS, states
 
 DATA = Path(__file__).with_name("host_work.json")
 """The measured tables: ``{"header": {...}, table: {entry: [numbers]}}``, written by
@@ -124,19 +124,17 @@ def entry(table: str, name: str) -> list[int]:
     return numbers
 
 
-DENSE_FILTERS = {"top_k": fixed(6, 0), "top_p": fixed(6, 0), "min_p": fixed(5, 1), "top_n_sigma": fixed(4, 0)}
+DENSE_FILTERS = {f.name: fixed(*f.dense) for f in FILTERS}
 """Typed by hand, counted outside this repository (see above): what an engine's own sampler on
 full rows (vLLM's PyTorch-native path, BF16 logits in) spends on each filter on top of
-temperature and the draw (6 launches): top-k 6, top-p 6 (8 without top-k: they share the sort),
-min-p 5 and a host read (its boolean-mask write). vLLM has no top-n-sigma: its price is the four
-full-row passes llama.cpp's makes (the max, the mean, the variance, the mask), an estimate. A
+temperature and the draw (6 launches), as :data:`vocabpar.wire.filters.FILTERS` states it. A
 greedy step is a cast and an argmax (2)."""
 DENSE_VERIFY: dict[tuple[bool, bool, bool], HostWork] = {
     (True, False, False): fixed(14, 0), (False, False, False): fixed(34, 0),
     (False, True, False): fixed(49, 0), (False, False, True): fixed(53, 0), (False, True, True): fixed(64, 0)}
 """Typed by hand, counted outside this repository: an engine's rejection sampler on full rows
-(vLLM's, with its bonus-token sampler), per (greedy, top-k, top-p); every other filter (min-p,
-top-n-sigma), which applies to the bonus rows only, adds what :data:`DENSE_FILTERS` says."""
+(vLLM's, with its bonus-token sampler), per (greedy, top-k, top-p); every other filter, which
+applies to the bonus rows only, adds what :data:`DENSE_FILTERS` says."""
 DENSE_SCORE: dict[bool, HostWork] = {False: fixed(6, 0), True: fixed(9, 0)}
 """Typed by hand, counted outside this repository: an engine's prompt logprobs on the gathered rows
 (vLLM's ``compute_logprobs`` and ``gather_logprobs``, one call), without and with top-n lists."""

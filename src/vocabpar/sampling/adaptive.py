@@ -47,8 +47,7 @@ import torch
 
 from vocabpar import comm
 from vocabpar.layout import VocabLayout
-from vocabpar.sampling import sigma
-from vocabpar.sampling.candidates import candidates_per_rank, gather_round_one
+from vocabpar.sampling.candidates import gather_round_one, round_one_size
 from vocabpar.sampling.params import Rows, SamplingParams, TokenCounts, check_sample_inputs, on_device
 from vocabpar.sampling.ranks import Ranks, agreed, group_ranks, params_fact
 from vocabpar.sampling.schedules import Adaptive
@@ -143,11 +142,10 @@ def choose(raw: torch.Tensor, layout: VocabLayout, ranks: Ranks, rows: Rows, pos
     V = layout.vocab_size
     ids = ranks.ids
     x = processed_logits(raw, ids, rows, lambda t: layout.local_ids(t, ranks.me), token_counts, bitmask)
-    c = candidates_per_rank(rows, V, ranks)
-    with_sigma = c > 0 and bool(((rows.top_n_sigma > 0) & ~rows.greedy).any())
-    first = gather_round_one(raw, x, ids, c, ranks, sigma.terms(x, ids >= 0) if with_sigma else None)
+    c, masks = round_one_size(rows, ranks)
+    first = gather_round_one(raw, x, ids, c, ranks, masks)
     schedule = Adaptive(row_name)
-    drawn = draw_from_round_one(x, ids, rows, positions, ranks, V, first, schedule, with_sigma=with_sigma,
+    drawn = draw_from_round_one(x, ids, rows, positions, ranks, V, first, schedule, masks=masks,
                                 draws=draws)
     return drawn, SamplePath(raw.shape[0], c, top_k=schedule.top_k, total_rows=schedule.total_rows,
-                             top_p=schedule.top_p, draw_rows=schedule.draw_rows, sigma=with_sigma)
+                             top_p=schedule.top_p, draw_rows=schedule.draw_rows, masks=masks)

@@ -12,22 +12,24 @@ import math
 import torch
 
 from vocabpar.kernels.fused import nan_and_ties
+from vocabpar.sampling.masks import all_terms
 from vocabpar.sampling.params import Rows
 from vocabpar.sampling.ranks import Ranks
 from vocabpar.sampling.semantics import NEG_INF, mass_shift, merge_argmax
-from vocabpar.wire.filters import BY_NAME, FILTERS, candidate_count
+from vocabpar.wire.filters import BY_NAME, FILTERS, candidate_count, masks_on
 from vocabpar.wire.records import Unpacked, round_one
 
 
-def candidates_per_rank(rows: Rows, V: int, ranks: Ranks) -> int:
-    """Round-one candidates each rank sends per row for these rows' parameters (0: all greedy).
-    Two host reads at most: whether any row samples, then every filter's values at once (a
-    greedy row's read as off)."""
+def round_one_size(rows: Rows, ranks: Ranks) -> tuple[int, tuple[str, ...]]:
+    """Round-one candidates each rank sends per row for these rows' parameters (0: all greedy)
+    and the mask filters whose sums ride along. Two host reads at most: whether any row samples,
+    then every filter's values at once (a greedy row's read as off)."""
     sampled = ~rows.greedy
     if not sampled.any():
-        return 0
+        return 0, ()
     values = torch.stack([torch.where(sampled, getattr(rows, f.name).double(), f.off) for f in FILTERS])
-    return candidate_count(ranks.n, max(ranks.real_counts), dict(zip(BY_NAME, values.tolist())))
+    on = dict(zip(BY_NAME, values.tolist()))
+    return candidate_count(ranks.n, max(ranks.real_counts), on), masks_on(on)
 
 
 def shard_top(x: torch.Tensor, ids: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,12 +47,12 @@ def shard_top(x: torch.Tensor, ids: torch.Tensor, c: int) -> tuple[torch.Tensor,
 
 
 def round_one_fields(raw: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, c: int, *, ties: bool = False,
-                     sigma: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                     masks: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """This shard's part of :func:`vocabpar.wire.records.round_one`, per row: its (max, lowest
     id) with a NaN of ``raw`` folded into the max, its top-``c`` candidates, with ``ties`` how
     many real tokens equal the c-th (where the cut may split a tied group; 0 where the shard
-    sends them all), and ``sigma`` (top-n-sigma's sums ``[B, 5]``) when given. ``raw``, ``x``:
-    ``[B, columns]`` (raw and processed logits); ``ids``: ``[columns]``."""
+    sends them all), and each mask filter's sums (``masks``). ``raw``, ``x``: ``[B, columns]``
+    (raw and processed logits); ``ids``: ``[columns]``."""
     B, R = x.shape
     if R:
         xmax, col = x.max(1)  # first maximum: storage order is id order
@@ -61,19 +63,21 @@ def round_one_fields(raw: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, c: i
     # one candidate is the max itself: no second pass over the shard
     cand, cand_id = (xmax.double()[:, None], xmax_id[:, None]) if c == 1 else shard_top(x, ids, c)
     cut = cand[:, c - 1] if ties and 0 < c <= R else None
+    plain = x is raw and not ties
+    real = ids >= 0 if masks or not plain else None
     # the max holds a NaN of the shard unless processing (padding, penalties, a bitmask) replaced it
-    has_nan, tied = (xmax.isnan(), None) if x is raw and not ties else nan_and_ties(raw, x, ids >= 0, cut)
+    has_nan, tied = (xmax.isnan(), None) if plain else nan_and_ties(raw, x, real, cut)
     fields = {"max": torch.where(has_nan, float("nan"), xmax.double()), "max_id": xmax_id, "values": cand,
               "ids": cand_id}
-    return fields | ({"ties": tied} if ties else {}) | ({} if sigma is None else {"sigma": sigma})
+    return fields | ({"ties": tied} if ties else {}) | ({} if real is None else all_terms(masks, x, real))
 
 
 def gather_round_one(raw: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, c: int, ranks: Ranks,
-                     sigma: torch.Tensor | None = None) -> Unpacked:
+                     masks: tuple[str, ...] = ()) -> Unpacked:
     """One all-gather of :func:`vocabpar.wire.records.round_one` (:func:`round_one_fields`): every
     rank's fields, each ``[n, B, ...]``."""
-    record = round_one(c, sigma=sigma is not None)
-    return record.unpack(ranks.gather(record.pack(**round_one_fields(raw, x, ids, c, sigma=sigma))))
+    record = round_one(c, masks=masks)
+    return record.unpack(ranks.gather(record.pack(**round_one_fields(raw, x, ids, c, masks=masks))))
 
 
 def merged_max(maxima: torch.Tensor, max_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:

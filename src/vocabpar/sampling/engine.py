@@ -38,7 +38,6 @@ from vocabpar.hashing import MASK62, fingerprint
 from vocabpar.kernels.fused import KEY_OPTIONS
 from vocabpar.layout import VocabLayout
 from vocabpar.plan.machine import link
-from vocabpar.sampling import sigma
 from vocabpar.sampling.acceptance import emitted
 from vocabpar.sampling.candidates import round_one_fields
 from vocabpar.sampling.constraints import HeldStops, held_stops
@@ -168,7 +167,7 @@ class Sampler:
                                    check=self.check, search_bits=self.search_bits)
         self.padded = bool((self.ranks.ids < 0).any())
         self.widest = min(max(self.ranks.real_counts), layout.vocab_size)
-        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._on_device: dict[torch.device, torch.Tensor] = {}
         self._countdowns: dict[tuple[torch.device, int], torch.Tensor] = {}
         self._columns(device)  # the usual device's constants now, not in a first call
         for rows in {max_rows, self.verify_rows}:
@@ -263,11 +262,10 @@ class Sampler:
         every = (core + row_fingerprints(*[t.reshape(B, -1) for t in seen])) & MASK62 if seen else core
         return padded(core, self.verify_rows), padded(every, self.max_rows)
 
-    def _columns(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's column ids and realness on ``device`` (cached)."""
+    def _columns(self, device: torch.device) -> torch.Tensor:
+        """This rank's column ids on ``device`` (cached)."""
         if device not in self._on_device:
-            ids = self.ranks.ids.to(device)
-            self._on_device[device] = ids, ids >= 0
+            self._on_device[device] = self.ranks.ids.to(device)
         return self._on_device[device]
 
     def _countdown(self, device: torch.device, rows: int) -> torch.Tensor:
@@ -400,7 +398,7 @@ class Sampler:
             row_facts = row_fingerprints(token_ids[:, None])
             id_fact = row_facts.sum() & MASK62
         facts = self._facts([T, top_n, id_fact], device)
-        ids, _ = self._columns(device)
+        ids = self._columns(device)
         record, per_row = folded(score(top_n), self.max_rows, FACTS), score(top_n)
         stats = local_scores(logits, ids, self.layout, self.ranks.me, token_ids.clamp(0, V - 1), top_n)
         stats = padded(stats, self.max_rows).reshape(1, -1)
@@ -449,7 +447,7 @@ class Sampler:
 
     def _score(self, source: torch.Tensor, tokens: torch.Tensor, top_n: int) -> TokenLogprobs:
         """Logprobs of ``tokens`` under ``source`` ``[B, columns]`` in two fixed collectives."""
-        ids, _ = self._columns(source.device)
+        ids = self._columns(source.device)
         B = tokens.shape[0]
         stats = padded(local_scores(source, ids, self.layout, self.ranks.me, tokens, top_n), self.max_rows)
         got = score(top_n).unpack(self.ranks.gather(stats)[:, :B])
@@ -463,14 +461,13 @@ class Sampler:
         ``B`` rows of float32 ``raw``, with the collectives of ``plan`` and no host read."""
         device, B, V = positions.device, positions.shape[0], self.layout.vocab_size
         n, M = self.ranks.n, plan.rows
-        ids, real = self._columns(device)
+        ids = self._columns(device)
         x = processed_logits(raw, ids, rows, lambda t: self.layout.local_ids(t, self.ranks.me), token_counts,
                              bitmask, padded=self.padded)
         c = plan.candidates
         # 1. round one, with the check folded in
-        record = round_one(c, ties=True, sigma=plan.sigma)
-        terms = sigma.terms(x, real) if plan.sigma else None
-        local = padded(record.pack(**round_one_fields(raw, x, ids, c, ties=True, sigma=terms)), M)
+        record = round_one(c, ties=True, masks=plan.masks)
+        local = padded(record.pack(**round_one_fields(raw, x, ids, c, ties=True, masks=plan.masks)), M)
         first_message = folded(record, M, FACTS)
         message = first_message.pack(rows=local.reshape(1, -1), problem=problem[:1], row=problem[1:],
                                      input=rejected[None], facts=facts[None], row_facts=row_facts[None])
@@ -478,7 +475,7 @@ class Sampler:
         first = record.unpack(got.rows.view(n, M, -1)[:, :B])
         check = Check.of(got, self._countdown(device, M))
         drawn = draw_from_round_one(x, ids, rows, positions, self.ranks, V, first, Fixed(plan),
-                                    with_sigma=plan.sigma, ties=True)
+                                    masks=plan.masks, ties=True)
         return Flagged.of(raw, check, drawn)
 
 

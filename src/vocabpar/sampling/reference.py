@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from vocabpar.sampling import sigma
+from vocabpar.sampling import masks
 from vocabpar.sampling.params import (
     Rows,
     SamplingParams,
@@ -89,13 +89,11 @@ def _reference_on_device(full_logits, params, positions, token_counts, bitmask, 
 
 def kept_tokens(x: torch.Tensor, rows: Rows, b: int) -> torch.Tensor:
     """Bool ``[V]``: the tokens that row ``b`` of the processed logits ``x`` (``[V]``, finite max)
-    may sample after top-n-sigma, then top-k, top-p and min-p in the order ``rows.filter_order``."""
+    may sample after the mask filters (:func:`vocabpar.sampling.masks.kept`), then top-k, top-p
+    and min-p in the order ``rows.filter_order``."""
     V = x.numel()
-    above = torch.ones_like(x, dtype=torch.bool)
-    if rows.top_n_sigma[b] > 0:  # top-n-sigma: the whole row is one shard, the same exact sums
-        summed = sigma.terms(x[None], above)
-        above = x >= sigma.floor(summed, x.max().double()[None], rows.top_n_sigma[b: b + 1])
-        x = torch.where(above, x, float("-inf"))
+    above = masks.kept(x, rows, b)
+    x = torch.where(above, x, float("-inf"))
     z = x.double() / rows.temperature[b]
     zmax = z.max()
     k = int(rows.top_k[b])

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from vocabpar.sampling.params import Rows
-
 NEG_INF = float("-inf")
 SCALE = 2**16
 """A logit counts as a multiple of ``1 / SCALE``."""
@@ -29,9 +27,8 @@ vocabulary below ``2**18`` tokens per row."""
 
 def terms(x: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     """int64 ``[B, 5]``: this shard's exact sums over each row's finite logits -- count,
-    ``sum(q)``, ``sum(a*a)``, ``sum(2*a*b)``, ``sum(b*b)`` -- the round-one words
-    :data:`~vocabpar.wire.records.SIGMA_WORDS`. ``x``: float32 ``[B, columns]``; ``real``:
-    ``[columns]`` (padding counts for nothing)."""
+    ``sum(q)``, ``sum(a*a)``, ``sum(2*a*b)``, ``sum(b*b)``: top-n-sigma's round-one words.
+    ``x``: float32 ``[B, columns]``; ``real``: ``[columns]`` (padding counts for nothing)."""
     finite = x.isfinite() & real
     q = torch.where(finite, (x.double().clamp(-CAP, CAP) * SCALE).round(), 0.0).long()
     m = q.abs()
@@ -53,17 +50,3 @@ def floor(summed: torch.Tensor, top: torch.Tensor, n: torch.Tensor) -> torch.Ten
     f = bound.float()
     f = torch.where(f.double() < bound, torch.nextafter(f, torch.full_like(f, float("inf"))), f)
     return torch.where((n > 0) & top.isfinite() & (count > 0), f, NEG_INF)
-
-
-def masked(values: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
-    """``values`` with every value below ``bound`` (broadcast to them) at -inf."""
-    return torch.where(values >= bound, values, NEG_INF)
-
-
-def applied(x: torch.Tensor, candidates: torch.Tensor, summed: torch.Tensor, top: torch.Tensor,
-            rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
-    """The shard's logits ``x`` ``[B, columns]`` and round one's gathered candidate values
-    ``[n, B, c]`` with each sampled row's top-n-sigma mask applied (``summed``: :func:`terms`
-    summed over ranks; ``top``: each row's max; ``rows``: the resolved parameters)."""
-    bound = floor(summed, top, torch.where(rows.greedy, 0.0, rows.top_n_sigma))
-    return masked(x, bound[:, None]), masked(candidates, bound[None, :, None])

@@ -1,7 +1,7 @@
 """The sampler's steps after round one, written once for both schedules.
 
 After round one every rank holds the same merged candidates (:class:`Merged`).
-:func:`draw_from_round_one` takes each row's max and failure, applies top-n-sigma, and runs
+:func:`draw_from_round_one` takes each row's max and failure, applies the mask filters, and runs
 :class:`Steps`, which computes from the candidates and this shard every number a call needs --
 each filter's threshold from the candidates and whether the candidates certify it, the pool's
 total, the draw among the candidates, the kept masses verification weighs -- and hands the rest
@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 
 from vocabpar.kernels.fused import masses
-from vocabpar.sampling import sigma
+from vocabpar.sampling import masks as mask_filters
 from vocabpar.sampling.candidates import merged_max
 from vocabpar.sampling.merged import Merged, merge_candidates
 from vocabpar.sampling.params import Rows
@@ -84,7 +84,7 @@ class Schedule(Protocol):
 class Steps:
     """A call's state after round one: this shard's processed logits ``x`` ``[B, columns]``, the
     columns' ``ids``, the rows' parameters, which rows are ``sampled``, the merge ``m`` of the ``c``
-    candidates each rank sent, after top-n-sigma (everything a rank holds above ``m.unsent_max``
+    candidates each rank sent, after the mask filters (everything a rank holds above ``m.unsent_max``
     is among them); ``tied`` (int64 ``[n, B]``, when round one
     counts them): each rank's unsent tokens equal to the last value it sent. :meth:`thresholds`
     sets ``thr`` (a row keeps ``x >= thr``, ``z >= min_z``)."""
@@ -223,7 +223,7 @@ class Steps:
 @dataclass(frozen=True)
 class Drawn:
     """A call's tokens (-1 for sampled rows not drawn; failed rows hold their greedy id), this
-    shard's processed logits ``x`` (top-n-sigma applied), which rows were ``sampled`` (not greedy,
+    shard's processed logits ``x`` (the mask filters applied), which rows were ``sampled`` (not greedy,
     finite max, not failed), the per-row failure ``codes`` (1 NaN, 2 nothing allowed; None where
     the schedule raised instead) and the sampled rows' :class:`Steps` (None when none samples)."""
 
@@ -239,11 +239,11 @@ class Drawn:
 
 
 def draw_from_round_one(x: torch.Tensor, ids: torch.Tensor, rows: Rows, positions: torch.Tensor, ranks: Ranks,
-                        V: int, first: Unpacked, schedule: Schedule, *, with_sigma: bool = False,
+                        V: int, first: Unpacked, schedule: Schedule, *, masks: tuple[str, ...] = (),
                         ties: bool = False, draws: torch.Tensor | None = None) -> Drawn:
     """Everything after round one, on either schedule: each row's max and greedy id, its failure
-    (the schedule raises or flags it), top-n-sigma's mask (``with_sigma``: round one carried its
-    sums), then the sampled rows' :class:`Steps` -- thresholds and the draw (only rows in
+    (the schedule raises or flags it), the mask filters ``masks`` (round one carried their sums),
+    then the sampled rows' :class:`Steps` -- thresholds and the draw (only rows in
     ``draws``, all when None). ``first``: round one's gathered fields
     (:func:`~vocabpar.wire.records.round_one`, each ``[n, B, ...]``; with ``ties``, its tie counts);
     ``x``: this shard's processed logits ``[B, columns]``."""
@@ -252,8 +252,8 @@ def draw_from_round_one(x: torch.Tensor, ids: torch.Tensor, rows: Rows, position
     sampled = ~rows.greedy & (best < float("inf"))
     sampled = sampled if codes is None else sampled & (codes == 0)
     values, c = first.values, first.values.shape[2]
-    if with_sigma:  # top-n-sigma: a mask ahead of every other filter
-        x, values = sigma.applied(x, values, first.sigma.sum(0), best, rows)
+    if masks:  # the mask filters, ahead of every other filter
+        x, values = mask_filters.applied(masks, x, values, first, best, rows)
     steps = None
     if c and schedule.any(sampled):
         merged = merge_candidates(values, first.ids, rows, positions, sampled, best, ranks.real_counts, V)

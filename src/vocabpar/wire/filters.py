@@ -1,13 +1,15 @@
 """The sampling filters, each stated once: the request parameter and the rule its values keep,
 the value that turns it off, the range the planner accepts, the round-one candidates it needs,
+the words a mask filter adds to round one, what an engine's sampler on full rows spends on it,
 and the states a step that uses it takes in the measured host-work tables.
 
 The planner's summary of a step's sampling (:class:`Sampling`, one field per filter), the names
 of its host-work entries (:meth:`Sampling.key`, :func:`keys`), the command line's flags, the
-engines' batch summaries, the samplers' round-one sizes and the per-row checks of
-:class:`vocabpar.SamplingParams` read :data:`FILTERS`; a filter added here (with its field in
-:class:`Sampling`) reaches all of them. The samplers compute each filter in
-:mod:`vocabpar.sampling`, and :mod:`vocabpar.wire.scripts` states what each one sends.
+engines' batch summaries, the samplers' round-one sizes and records, the dense sampler's price
+and the per-row checks of :class:`vocabpar.SamplingParams` read :data:`FILTERS`; a filter added
+here (with its field in :class:`Sampling`) reaches all of them. The samplers compute each filter
+in :mod:`vocabpar.sampling` (a mask filter: its module, listed in
+:data:`vocabpar.sampling.masks.MASKS`), and :mod:`vocabpar.wire.scripts` states what each sends.
 """
 
 from __future__ import annotations
@@ -38,7 +40,11 @@ class Filter:
     so; ``examples``: a value standing for each state a step may take with it on (``"on"``, or
     top-k's ``"candidates"``, settled by round one, and ``"search"``, beyond it); ``strictest``:
     the costliest of several rows' values (the largest, or for top-p the smallest);
-    ``counts_tokens``: the value is a number of tokens (top-k)."""
+    ``counts_tokens``: the value is a number of tokens (top-k); ``dense``: the kernel launches and
+    host reads an engine's own sampler on full rows spends on it beyond temperature and the draw;
+    ``words``: a mask filter's int64 words per row in round one (the exact sums its floor needs;
+    0: its threshold comes from the candidates); ``spares_sent``: on peaked rows the mask
+    typically keeps only tokens round one sent, where it sends more than one per rank."""
 
     name: str
     label: str
@@ -48,8 +54,11 @@ class Filter:
     need: Callable[[Sequence[float], int], int]
     rule: tuple[Callable[[torch.Tensor], torch.Tensor], str]
     examples: dict[str, float] = field(default_factory=dict)
+    dense: tuple[int, int] = (0, 0)
     strictest: Callable[[Iterable[float]], float] = max
     counts_tokens: bool = False
+    words: int = 0
+    spares_sent: bool = False
 
     def on(self, value: float, vocab: int) -> bool:
         """Whether ``value`` filters anything on a vocabulary of ``vocab`` tokens (a count of
@@ -71,18 +80,27 @@ FILTERS: tuple[Filter, ...] = (
     Filter("top_k", "top-k", 0, (0, 2**31), int,
            lambda ks, ranks: max((k for k in ks if k <= MAX_CANDIDATES), default=0),
            (lambda k: k >= -1, "must be >= -1 (0 and -1 are off)"), {"candidates": 50, "search": 1000},
-           counts_tokens=True),
+           dense=(6, 0), counts_tokens=True),
     Filter("top_p", "top-p", 1.0, (1e-9, 1.0), float,
            lambda ps, ranks: -(-TOP_P_CANDIDATES // ranks) if ps else 0,
-           (lambda p: (p > 0) & (p <= 1), "must be in (0, 1]"), {"on": 0.9}, min),
+           (lambda p: (p > 0) & (p <= 1), "must be in (0, 1]"), {"on": 0.9}, dense=(6, 0), strictest=min),
     Filter("min_p", "min-p", 0.0, (0.0, 1.0), float,
            lambda ms, ranks: MIN_P_CANDIDATES if ms else 0,
-           (lambda p: (p >= 0) & (p <= 1), "must be in [0, 1]"), {"on": 0.05}),
+           (lambda p: (p >= 0) & (p <= 1), "must be in [0, 1]"), {"on": 0.05}, dense=(5, 1)),
     Filter("top_n_sigma", "top-n-sigma", 0.0, (0.0, 1e6), float, lambda ns, ranks: 0,
-           (lambda n: (n >= 0) & n.isfinite(), "must be finite and >= 0 (0 or None: off)"), {"on": 1.0}),
+           (lambda n: (n >= 0) & n.isfinite(), "must be finite and >= 0 (0 or None: off)"), {"on": 1.0},
+           dense=(4, 0), words=5, spares_sent=True),
 )
-"""Every filter a sampled row may ask for, in the order the planner names them."""
+"""Every filter a sampled row may ask for, in the order the planner names them. The dense prices
+are typed by hand, counted outside this repository on vLLM's PyTorch-native sampler (BF16 logits
+in): top-k 6 launches, top-p 6 (8 without top-k: they share the sort), min-p 5 and a host read
+(its boolean-mask write). vLLM has no top-n-sigma: its price is the four full-row passes
+llama.cpp's makes (the max, the mean, the variance, the mask), an estimate. Top-n-sigma is a mask:
+five words of exact sums (count, sum, the sum of squares in three words) ride in round one, and
+its floor, a few sigma below the max, keeps few tokens on peaked rows."""
 BY_NAME = {f.name: f for f in FILTERS}
+MASK_NAMES = tuple(f.name for f in FILTERS if f.words)
+"""The mask filters, in the order they are applied (each to the logits before any mask)."""
 
 
 def candidate_count(ranks: int, widest: int, values: Mapping[str, Sequence[float]]) -> int:
@@ -92,6 +110,13 @@ def candidate_count(ranks: int, widest: int, values: Mapping[str, Sequence[float
     ``widest`` (the most real tokens one rank holds)."""
     on = {f.name: [v for v in values.get(f.name, ()) if v > 0 and v != f.off] for f in FILTERS}
     return int(min(max([1] + [f.need(on[f.name], ranks) for f in FILTERS]), widest))
+
+
+def masks_on(values: Mapping[str, Sequence[float]]) -> tuple[str, ...]:
+    """The mask filters whose sums ride in round one: those on (positive, not off) in some row of
+    ``values`` (per filter name, the sampled rows' values; a filter left out is off)."""
+    return tuple(name for name in MASK_NAMES
+                 if any(v > 0 and v != BY_NAME[name].off for v in values.get(name, ())))
 
 
 @dataclass(frozen=True)
@@ -124,6 +149,10 @@ class Sampling:
     def candidates(self, ranks: int, widest: int) -> int:
         """Round-one candidates per rank on ``ranks`` ranks whose widest shard holds ``widest``."""
         return 0 if self.greedy else candidate_count(ranks, widest, self.values())
+
+    def masks(self) -> tuple[str, ...]:
+        """The mask filters on in this step (none when greedy)."""
+        return () if self.greedy else masks_on(self.values())
 
     def key(self, vocab: int, candidates: int) -> str:
         """The name of this step's entries in the host-work tables: ``greedy``, or the states of

@@ -15,6 +15,7 @@ from functools import cache
 
 import torch
 
+from vocabpar.wire.filters import BY_NAME
 from vocabpar.wire.traffic import WORD
 
 
@@ -141,20 +142,16 @@ SETTLE_TOKENS = 16
 """Tokens of the final bucket each rank sends per row when settling a threshold search."""
 
 
-SIGMA_WORDS = 5
-"""The exact sums of a shard's finite logits per row that top-n-sigma needs (count, sum and the
-sum of squares in three words: :func:`vocabpar.sampling.sigma.terms`)."""
-
-
 @cache
-def round_one(candidates: int, ties: bool = False, sigma: bool = False) -> Record:
+def round_one(candidates: int, ties: bool = False, masks: tuple[str, ...] = ()) -> Record:
     """The sampler's first message per row: the shard's max (NaN when the row holds a NaN) and
     the lowest id holding it, then its top ``candidates`` values (descending) and ids (-1: none);
     with ``ties`` (the engine's), how many of the shard's tokens equal the last candidate's
-    value, so the tied group a cut splits is counted exactly; with ``sigma``, the sums of its
-    finite logits that top-n-sigma needs."""
+    value, so the tied group a cut splits is counted exactly; then, per mask filter in
+    ``masks``, the exact sums of the shard's logits its floor needs (the filter's ``words``)."""
     fields = (_real("max"), Field("max_id"), _real("values", candidates), Field("ids", candidates))
-    return Record("round one", fields + (Field("ties"),) * ties + (Field("sigma", SIGMA_WORDS),) * sigma)
+    sums = tuple(Field(name, BY_NAME[name].words) for name in masks)
+    return Record("round one", fields + (Field("ties"),) * ties + sums)
 
 
 @cache

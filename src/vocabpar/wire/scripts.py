@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from vocabpar.wire.filters import Sampling, candidate_count
+from vocabpar.wire.filters import BY_NAME, FILTERS, Sampling, candidate_count, masks_on
 from vocabpar.wire.records import (
     AGREE_WIDTH,
     DRAW,
@@ -103,13 +103,13 @@ class SamplePath:
     draw_rows: int = 0
     top_n: int | None = None
     checked: bool = False
-    sigma: bool = False
-    """Round one carries top-n-sigma's sums."""
+    masks: tuple[str, ...] = ()
+    """The mask filters whose sums ride in round one."""
 
 
 def sample_script(path: SamplePath) -> Script:
     """What a sampler call that took ``path`` sends, in order."""
-    script = (CHECK,) * path.checked + (Message("all_gather", round_one(path.candidates, sigma=path.sigma),
+    script = (CHECK,) * path.checked + (Message("all_gather", round_one(path.candidates, masks=path.masks),
                                                 path.rows),)
     if path.top_k is not None:
         script += path.top_k.script()
@@ -134,9 +134,9 @@ def sampler_paths(rows: int, ranks: int, widest: int, vocab: int,
     k > c a threshold search of two rounds, and the token is drawn locally unless no filter
     narrows the row. The worst case (flat or tied rows) adds, wherever the code may take them,
     the total, a top-p search, a crowded settle's extra round after each search and the draw's
-    all-gather, each for every row. Top-n-sigma's sums ride in round one; on peaked rows its floor
-    (a few sigma below the max) typically leaves no unsent token, so where round one sends more
-    than one candidate per rank no total and no draw follow."""
+    all-gather, each for every row. A mask filter's sums ride in round one; where one that spares
+    only sent tokens on peaked rows (top-n-sigma) is on and round one sends more than one
+    candidate per rank, typically no total and no draw follow."""
     if s.greedy:
         greedy = SamplePath(rows)
         return greedy, greedy
@@ -145,16 +145,16 @@ def sampler_paths(rows: int, ranks: int, widest: int, vocab: int,
     with_top_p = s.top_p < 1
     unsent = c < widest  # some rank holds tokens it did not send
     searched = k > c
-    narrowed = bool(k or with_top_p or s.min_p > 0)
-    sigma = s.top_n_sigma > 0
-    kept_unsent = unsent and not (sigma and c > 1)  # typically
+    narrowed = any(f.on(getattr(s, f.name), vocab) for f in FILTERS if not f.words)  # some threshold on
+    masks = s.masks()
+    kept_unsent = unsent and not (c > 1 and any(BY_NAME[name].spares_sent for name in masks))  # typically
     typical = SamplePath(rows, c, top_k=Search(rows, draw=not with_top_p) if searched else None,
                          total_rows=rows * (with_top_p and kept_unsent and not 0 < k <= c),
-                         draw_rows=rows * (kept_unsent and not narrowed), sigma=sigma)
+                         draw_rows=rows * (kept_unsent and not narrowed), masks=masks)
     worst = SamplePath(rows, c, top_k=Search(rows, draw=not with_top_p, crowded=True) if searched else None,
                        total_rows=rows * (with_top_p and unsent),
                        top_p=Search(rows, draw=True, crowded=True) if with_top_p and unsent else None,
-                       draw_rows=rows * unsent, sigma=sigma)
+                       draw_rows=rows * unsent, masks=masks)
     return typical, worst
 
 
@@ -271,8 +271,8 @@ class EnginePlan:
     top_n: int | None = None
     drafts: bool = False
     search_bits: tuple[int, ...] = ENGINE_SEARCH_BITS
-    sigma: bool = False
-    """Round one carries top-n-sigma's sums (some sampled row asks it)."""
+    masks: tuple[str, ...] = ()
+    """The mask filters whose sums ride in round one (some sampled row asks each)."""
 
 
 def engine_plan(rows: int, ranks: int, widest: int, vocab: int, *, greedy: Sequence[bool],
@@ -284,7 +284,7 @@ def engine_plan(rows: int, ranks: int, widest: int, vocab: int, *, greedy: Seque
     Candidates as the adaptive sampler sends; with some rank's tokens unsent, a top-k beyond the
     candidates takes a search, top-p on rows without such a small top-k takes one, and the token
     is drawn by an all-gather; with every token sent, the candidates decide everything.
-    Top-n-sigma's sums ride in round one."""
+    The sums of each mask filter some sampled row asks ride in round one."""
     sampled = [not g for g in greedy]
     if not any(sampled):
         return EnginePlan(rows, 0, top_n=top_n, search_bits=search_bits)
@@ -296,7 +296,7 @@ def engine_plan(rows: int, ranks: int, widest: int, vocab: int, *, greedy: Seque
     top_p_alone = any(p < 1 and not 0 < k <= c for k, p in zip(top_k, on.get("top_p", [])))
     return EnginePlan(rows, c, top_k_search=unsent and large_k, top_p_search=unsent and top_p_alone,
                       draw=unsent, top_n=top_n, search_bits=search_bits,
-                      sigma=any(n > 0 for n in on.get("top_n_sigma", [])))
+                      masks=masks_on(on))
 
 
 def engine_search_script(rows: int, bits: tuple[int, ...] = ENGINE_SEARCH_BITS) -> Script:
@@ -308,7 +308,7 @@ def engine_sample_script(plan: EnginePlan) -> Script:
     """The fixed script of :meth:`vocabpar.sampling.engine.Sampler.sample` (and, with
     ``plan.drafts``, of ``verify``): the same collectives with the same sizes for any logits."""
     rows = plan.rows
-    first = round_one(plan.candidates, ties=True, sigma=plan.sigma)
+    first = round_one(plan.candidates, ties=True, masks=plan.masks)
     script = (Message("all_gather", folded(first, rows, plan.facts), 1),)
     script += engine_search_script(rows, plan.search_bits) * (plan.top_k_search + plan.top_p_search)
     if plan.draw:
