@@ -27,12 +27,14 @@ NEG_INF = float("-inf")
 
 
 class Mask(Protocol):
-    def terms(self, x: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """What a mask filter's module provides."""
+
+    def terms(self, x: torch.Tensor, real: torch.Tensor, /) -> torch.Tensor:
         """int64 ``[B, words]``: this shard's exact sums over each row's logits. ``x``: float32
         ``[B, columns]``; ``real``: bool ``[columns]`` (padding counts for nothing)."""
         ...
 
-    def floor(self, summed: torch.Tensor, top: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def floor(self, summed: torch.Tensor, top: torch.Tensor, value: torch.Tensor, /) -> torch.Tensor:
         """float32 ``[B]``: the least value a kept token may have (-inf where ``value`` is off).
         ``summed``: :meth:`terms` summed over ranks; ``top``: each row's max (float64);
         ``value``: the filter's float64 ``[B]`` per-row parameter."""
