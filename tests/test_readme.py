@@ -251,8 +251,9 @@ def runs(blocks) -> dict[str, subprocess.CompletedProcess]:
     pytest.importorskip("transformers")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     commands = {"one": [sys.executable, __file__, "one"],
-                "ranks": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__,
-                          "ranks"],
+                # standalone: torchrun picks a free port instead of its fixed default
+                "ranks": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                          "2", __file__, "ranks"],
                 "bash": [sys.executable, __file__, "bash"]}
     started = {name: subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       env=env, cwd=ROOT) for name, command in commands.items()}
