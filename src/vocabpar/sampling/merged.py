@@ -15,20 +15,20 @@ import torch
 
 from vocabpar.kernels.fused import best_kept, sample_keys
 from vocabpar.sampling.params import Rows
-from vocabpar.sampling.semantics import NEG_INF, PAD_KEY, key_value, mass_shift, min_p_threshold, order_key
+from vocabpar.sampling.semantics import NEG_INF, PAD_KEY, key_value, mass_shift, order_key, z_floor
 
 
 @dataclass(frozen=True)
 class Merged:
-    """Per row ``[B]``: ``temperature`` (1 where the row is not sampled), ``z_max`` (the row's
-    max over ``t``, 0 where not sampled), the min-p bound ``min_z`` (kept tokens have ``z >=
-    min_z``) and the noise ``keys`` ``[B, 2]``. Per rank and row ``[n, B]``: ``last``, the c-th
-    value it sent, and whether it holds tokens it did not send (``unsent`` ``[n, 1]``). Per
-    candidate ``[B, n·c]``: value ``cand`` (float64, float32-exact), ``cand_id`` (-1: padding),
-    ``cand_z = cand / t``, and the order keys sorted descending (``key_sorted``, padding last)
-    with their positions ``key_order``. ``unsent_max`` float64 ``[B]``: the largest value some rank
-    held but did not send (-inf when nothing is unsent): every unsent token is ``<= unsent_max``.
-    ``scale``: the masses' ``mass_shift``."""
+    """Per row ``[B]``: ``temperature`` (1 where the row is not sampled), ``z_max`` (the row's max over
+    ``t``, 0 where not sampled), the floor ``min_z`` (kept tokens have ``z >= min_z``:
+    :func:`~vocabpar.sampling.semantics.z_floor`, min-p's) and the noise ``keys`` ``[B, 2]``. Per
+    rank and row ``[n, B]``: ``last``, the c-th value it sent, and whether it holds tokens it did
+    not send (``unsent`` ``[n, 1]``). Per candidate ``[B, n·c]``: value ``cand`` (float64,
+    float32-exact), ``cand_id`` (-1: padding), ``cand_z = cand / t``, and the order keys sorted
+    descending (``key_sorted``, padding last) with their positions ``key_order``. ``unsent_max``
+    float64 ``[B]``: the largest value some rank held but did not send (-inf when nothing is
+    unsent): every unsent token is ``<= unsent_max``. ``scale``: the masses' ``mass_shift``."""
 
     temperature: torch.Tensor
     z_max: torch.Tensor
@@ -109,7 +109,7 @@ def merge_candidates(values: torch.Tensor, ids: torch.Tensor, rows: Rows, positi
     key_sorted, key_order = keys.sort(1, descending=True)
     unsent = torch.tensor([[c < count] for count in real_counts], device=values.device)
     last = values[:, :, c - 1] if c else values.new_full((n, B), NEG_INF)
-    min_z, keys = min_p_threshold(z_max, rows.min_p), sample_keys(rows.seed, positions)
+    min_z, keys = z_floor(z_max, rows), sample_keys(rows.seed, positions)
     unsent_max = torch.where(unsent, last, NEG_INF).max(0).values
     return Merged(t, z_max, min_z, keys, last, unsent, cand, cand_id, cand / t[:, None], key_sorted,
                   key_order, unsent_max, mass_shift(vocab_size))

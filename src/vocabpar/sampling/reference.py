@@ -41,13 +41,13 @@ from vocabpar.sampling.semantics import (
     drawn_logits,
     gumbel_argmax,
     mass,
-    min_p_threshold,
     processed_logits,
     residual_scores,
     row_argmax,
     top_p_pool,
     top_p_target,
     with_logprobs,
+    z_floor,
 )
 from vocabpar.sampling.stacked import stacked_rows
 
@@ -98,7 +98,7 @@ def kept_tokens(x: torch.Tensor, rows: Rows, b: int) -> torch.Tensor:
     zmax = z.max()
     k = int(rows.top_k[b])
     kappa = x.sort(descending=True).values[k - 1] if 0 < k < V else torch.tensor(float("-inf"))
-    m = min_p_threshold(zmax, rows.min_p[b])
+    m = z_floor(zmax, rows, b)
     keep = (x >= kappa) & (z >= m)
     if rows.top_p[b] < 1:
         q = torch.where(top_p_pool(x, z, kappa, m, rows.filter_order), mass(z, zmax, V), 0)

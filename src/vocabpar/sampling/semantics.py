@@ -15,6 +15,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import reduce
 
 import torch
 
@@ -22,6 +23,7 @@ from vocabpar import exactmath
 from vocabpar.sampling.failures import EngineResult, Failures, Packed
 from vocabpar.sampling.noise import gumbel, row_keys, uniform
 from vocabpar.sampling.params import Rows, TokenCounts
+from vocabpar.wire.filters import Z_FLOORS
 from vocabpar.wire.scripts import Script
 
 NEG_INF = float("-inf")
@@ -259,9 +261,13 @@ def top_p_target(total: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return torch.minimum(t.clamp(min=1), total)
 
 
-def min_p_threshold(zmax: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """``z >= zmax + ln(min_p)`` is the min-p rule ``p >= min_p * p_max`` (-inf when off)."""
-    return zmax + torch.log(min_p)
+def z_floor(z_max: torch.Tensor, rows: Rows, row: int | None = None) -> torch.Tensor:
+    """The least ``z`` a kept token may have: the largest floor of the filters that state one
+    from each row's max ``z_max`` (:data:`vocabpar.wire.filters.Z_FLOORS`: min-p's
+    ``z_max + ln(min_p)``, the rule ``p >= min_p * p_max``), -inf where all are off; for every
+    row, or for the one row ``row`` (``z_max`` then that row's)."""
+    values = ((f, getattr(rows, f.name)) for f in Z_FLOORS)
+    return reduce(torch.maximum, (f.z_floor(z_max, v if row is None else v[row]) for f, v in values))
 
 
 def top_p_pool(x: torch.Tensor, z: torch.Tensor, kappa: torch.Tensor, m: torch.Tensor,

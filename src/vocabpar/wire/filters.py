@@ -44,7 +44,10 @@ class Filter:
     host reads an engine's own sampler on full rows spends on it beyond temperature and the draw;
     ``words``: a mask filter's int64 words per row in round one (the exact sums its floor needs;
     0: its threshold comes from the candidates); ``spares_sent``: on peaked rows the mask
-    typically keeps only tokens round one sent, where it sends more than one per rank."""
+    typically keeps only tokens round one sent, where it sends more than one per rank;
+    ``z_floor``: a floor on the tempered logits ``z`` from each row's largest ``z_max`` and its
+    value (-inf where off): the filter keeps ``z >= z_floor(z_max, value)``, and the floors of
+    every such filter are one bound that every step keeps."""
 
     name: str
     label: str
@@ -59,6 +62,7 @@ class Filter:
     counts_tokens: bool = False
     words: int = 0
     spares_sent: bool = False
+    z_floor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def on(self, value: float, vocab: int) -> bool:
         """Whether ``value`` filters anything on a vocabulary of ``vocab`` tokens (a count of
@@ -86,7 +90,8 @@ FILTERS: tuple[Filter, ...] = (
            (lambda p: (p > 0) & (p <= 1), "must be in (0, 1]"), {"on": 0.9}, dense=(6, 0), strictest=min),
     Filter("min_p", "min-p", 0.0, (0.0, 1.0), float,
            lambda ms, ranks: MIN_P_CANDIDATES if ms else 0,
-           (lambda p: (p >= 0) & (p <= 1), "must be in [0, 1]"), {"on": 0.05}, dense=(5, 1)),
+           (lambda p: (p >= 0) & (p <= 1), "must be in [0, 1]"), {"on": 0.05}, dense=(5, 1),
+           z_floor=lambda z_max, p: z_max + torch.log(p)),  # p >= min_p * p_max
     Filter("top_n_sigma", "top-n-sigma", 0.0, (0.0, 1e6), float, lambda ns, ranks: 0,
            (lambda n: (n >= 0) & n.isfinite(), "must be finite and >= 0 (0 or None: off)"), {"on": 1.0},
            dense=(4, 0), words=5, spares_sent=True),
@@ -101,6 +106,8 @@ its floor, a few sigma below the max, keeps few tokens on peaked rows."""
 BY_NAME = {f.name: f for f in FILTERS}
 MASK_NAMES = tuple(f.name for f in FILTERS if f.words)
 """The mask filters, in the order they are applied (each to the logits before any mask)."""
+Z_FLOORS = tuple(f for f in FILTERS if f.z_floor is not None)
+"""The filters that keep a floor on the tempered logits from each row's max (min-p)."""
 
 
 def candidate_count(ranks: int, widest: int, values: Mapping[str, Sequence[float]]) -> int:
