@@ -1,7 +1,8 @@
 """The sampling filters, each stated once: the request parameter and the rule its values keep,
 the value that turns it off, the range the planner accepts, the round-one candidates it needs,
-the words a mask filter adds to round one, what an engine's sampler on full rows spends on it,
-and the states a step that uses it takes in the measured host-work tables.
+the words a mask filter adds to round one, the floor a filter keeps from each row's max, what
+an engine's sampler on full rows spends on it, and the states a step that uses it takes in the
+measured host-work tables.
 
 The planner's summary of a step's sampling (:class:`Sampling`, one field per filter), the names
 of its host-work entries (:meth:`Sampling.key`, :func:`keys`), the command line's flags, the
