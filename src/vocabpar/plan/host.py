@@ -124,7 +124,7 @@ def entry(table: str, name: str) -> list[int]:
     return numbers
 
 
-DENSE_FILTERS = {f.name: fixed(*f.dense) for f in FILTERS}
+DENSE_FILTERS = {f.name: fixed(*f.dense_price) for f in FILTERS}
 """Typed by hand, counted outside this repository (see above): what an engine's own sampler on
 full rows (vLLM's PyTorch-native path, BF16 logits in) spends on each filter on top of
 temperature and the draw (6 launches), as :data:`vocabpar.wire.filters.FILTERS` states it. A

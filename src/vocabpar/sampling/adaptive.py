@@ -47,7 +47,7 @@ import torch
 
 from vocabpar import comm
 from vocabpar.layout import VocabLayout
-from vocabpar.sampling.candidates import gather_round_one, round_one_size
+from vocabpar.sampling.candidates import gather_round_one, round_one_contents
 from vocabpar.sampling.params import Rows, SamplingParams, TokenCounts, check_sample_inputs, on_device
 from vocabpar.sampling.ranks import Ranks, agreed, group_ranks, params_fact
 from vocabpar.sampling.schedules import Adaptive
@@ -142,7 +142,7 @@ def choose(raw: torch.Tensor, layout: VocabLayout, ranks: Ranks, rows: Rows, pos
     V = layout.vocab_size
     ids = ranks.ids
     x = processed_logits(raw, ids, rows, lambda t: layout.local_ids(t, ranks.me), token_counts, bitmask)
-    c, masks = round_one_size(rows, ranks)
+    c, masks = round_one_contents(rows, ranks)
     first = gather_round_one(raw, x, ids, c, ranks, masks)
     schedule = Adaptive(row_name)
     drawn = draw_from_round_one(x, ids, rows, positions, ranks, V, first, schedule, masks=masks,

@@ -20,7 +20,7 @@ from vocabpar.wire.filters import BY_NAME, FILTERS, candidate_count, masks_on
 from vocabpar.wire.records import Unpacked, round_one
 
 
-def round_one_size(rows: Rows, ranks: Ranks) -> tuple[int, tuple[str, ...]]:
+def round_one_contents(rows: Rows, ranks: Ranks) -> tuple[int, tuple[str, ...]]:
     """Round-one candidates each rank sends per row for these rows' parameters (0: all greedy)
     and the mask filters whose sums ride along. Two host reads at most: whether any row samples,
     then every filter's values at once (a greedy row's read as off)."""
@@ -64,12 +64,12 @@ def round_one_fields(raw: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, c: i
     cand, cand_id = (xmax.double()[:, None], xmax_id[:, None]) if c == 1 else shard_top(x, ids, c)
     cut = cand[:, c - 1] if ties and 0 < c <= R else None
     plain = x is raw and not ties
-    real = ids >= 0 if masks or not plain else None
+    real = ids >= 0 if masks or not plain else None  # the real columns, where something reads them
     # the max holds a NaN of the shard unless processing (padding, penalties, a bitmask) replaced it
     has_nan, tied = (xmax.isnan(), None) if plain else nan_and_ties(raw, x, real, cut)
     fields = {"max": torch.where(has_nan, float("nan"), xmax.double()), "max_id": xmax_id, "values": cand,
               "ids": cand_id}
-    return fields | ({"ties": tied} if ties else {}) | ({} if real is None else all_terms(masks, x, real))
+    return fields | ({"ties": tied} if ties else {}) | (all_terms(masks, x, real) if masks else {})
 
 
 def gather_round_one(raw: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, c: int, ranks: Ranks,

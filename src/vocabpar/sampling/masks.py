@@ -13,17 +13,15 @@ beside its entry in :data:`vocabpar.wire.filters.FILTERS` and its field in
 
 from __future__ import annotations
 
-from functools import reduce
 from typing import Protocol
 
 import torch
 
 from vocabpar.sampling import sigma
 from vocabpar.sampling.params import Rows
+from vocabpar.sampling.semantics import NEG_INF, largest
 from vocabpar.wire.filters import BY_NAME, MASK_NAMES
 from vocabpar.wire.records import Unpacked
-
-NEG_INF = float("-inf")
 
 
 class Mask(Protocol):
@@ -59,7 +57,7 @@ def applied(names: tuple[str, ...], x: torch.Tensor, candidates: torch.Tensor, f
     floors = [MASKS[name].floor(getattr(first, name).sum(0), top,
                                 torch.where(rows.greedy, BY_NAME[name].off, getattr(rows, name).double()))
               for name in names]
-    bound = reduce(torch.maximum, floors)
+    bound = largest(floors)
     return masked(x, bound[:, None]), masked(candidates, bound[None, :, None])
 
 

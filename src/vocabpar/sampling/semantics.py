@@ -15,7 +15,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import reduce
 
 import torch
 
@@ -263,11 +262,19 @@ def top_p_target(total: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 def z_floor(z_max: torch.Tensor, rows: Rows, row: int | None = None) -> torch.Tensor:
     """The least ``z`` a kept token may have: the largest floor of the filters that state one
-    from each row's max ``z_max`` (:data:`vocabpar.wire.filters.Z_FLOORS`: min-p's
+    from each row's max ``z_max`` (:data:`vocabpar.wire.filters.Z_FLOORS`, at least min-p's
     ``z_max + ln(min_p)``, the rule ``p >= min_p * p_max``), -inf where all are off; for every
     row, or for the one row ``row`` (``z_max`` then that row's)."""
-    values = ((f, getattr(rows, f.name)) for f in Z_FLOORS)
-    return reduce(torch.maximum, (f.z_floor(z_max, v if row is None else v[row]) for f, v in values))
+    return largest([f.z_floor(z_max, getattr(rows, f.name) if row is None else getattr(rows, f.name)[row])
+                    for f in Z_FLOORS])
+
+
+def largest(bounds: list[torch.Tensor]) -> torch.Tensor:
+    """The elementwise max of one or more same-shaped ``bounds`` (a plain loop: it compiles)."""
+    out = bounds[0]
+    for bound in bounds[1:]:
+        out = torch.maximum(out, bound)
+    return out
 
 
 def top_p_pool(x: torch.Tensor, z: torch.Tensor, kappa: torch.Tensor, m: torch.Tensor,

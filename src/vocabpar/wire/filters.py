@@ -41,10 +41,11 @@ class Filter:
     so; ``examples``: a value standing for each state a step may take with it on (``"on"``, or
     top-k's ``"candidates"``, settled by round one, and ``"search"``, beyond it); ``strictest``:
     the costliest of several rows' values (the largest, or for top-p the smallest);
-    ``counts_tokens``: the value is a number of tokens (top-k); ``dense``: the kernel launches and
-    host reads an engine's own sampler on full rows spends on it beyond temperature and the draw;
+    ``counts_tokens``: the value is a number of tokens (top-k); ``dense_price``: the kernel launches
+    and host reads an engine's own sampler on full rows spends on it beyond temperature and the
+    draw (every filter states one);
     ``words``: a mask filter's int64 words per row in round one (the exact sums its floor needs;
-    0: its threshold comes from the candidates); ``spares_sent``: on peaked rows the mask
+    0: its threshold comes from the candidates); ``keeps_only_sent``: on peaked rows the mask
     typically keeps only tokens round one sent, where it sends more than one per rank;
     ``z_floor``: a floor on the tempered logits ``z`` from each row's largest ``z_max`` and its
     value (-inf where off): the filter keeps ``z >= z_floor(z_max, value)``, and the floors of
@@ -58,12 +59,16 @@ class Filter:
     need: Callable[[Sequence[float], int], int]
     rule: tuple[Callable[[torch.Tensor], torch.Tensor], str]
     examples: dict[str, float] = field(default_factory=dict)
-    dense: tuple[int, int] = (0, 0)
+    dense_price: tuple[int, int] | None = None
     strictest: Callable[[Iterable[float]], float] = max
     counts_tokens: bool = False
     words: int = 0
-    spares_sent: bool = False
+    keeps_only_sent: bool = False
     z_floor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        if self.dense_price is None:
+            raise ValueError(f"filter {self.name}: state its dense_price (a sampler on full rows' work)")
 
     def on(self, value: float, vocab: int) -> bool:
         """Whether ``value`` filters anything on a vocabulary of ``vocab`` tokens (a count of
@@ -85,17 +90,18 @@ FILTERS: tuple[Filter, ...] = (
     Filter("top_k", "top-k", 0, (0, 2**31), int,
            lambda ks, ranks: max((k for k in ks if k <= MAX_CANDIDATES), default=0),
            (lambda k: k >= -1, "must be >= -1 (0 and -1 are off)"), {"candidates": 50, "search": 1000},
-           dense=(6, 0), counts_tokens=True),
+           dense_price=(6, 0), counts_tokens=True),
     Filter("top_p", "top-p", 1.0, (1e-9, 1.0), float,
            lambda ps, ranks: -(-TOP_P_CANDIDATES // ranks) if ps else 0,
-           (lambda p: (p > 0) & (p <= 1), "must be in (0, 1]"), {"on": 0.9}, dense=(6, 0), strictest=min),
+           (lambda p: (p > 0) & (p <= 1), "must be in (0, 1]"), {"on": 0.9}, dense_price=(6, 0),
+           strictest=min),
     Filter("min_p", "min-p", 0.0, (0.0, 1.0), float,
            lambda ms, ranks: MIN_P_CANDIDATES if ms else 0,
-           (lambda p: (p >= 0) & (p <= 1), "must be in [0, 1]"), {"on": 0.05}, dense=(5, 1),
+           (lambda p: (p >= 0) & (p <= 1), "must be in [0, 1]"), {"on": 0.05}, dense_price=(5, 1),
            z_floor=lambda z_max, p: z_max + torch.log(p)),  # p >= min_p * p_max
     Filter("top_n_sigma", "top-n-sigma", 0.0, (0.0, 1e6), float, lambda ns, ranks: 0,
            (lambda n: (n >= 0) & n.isfinite(), "must be finite and >= 0 (0 or None: off)"), {"on": 1.0},
-           dense=(4, 0), words=5, spares_sent=True),
+           dense_price=(4, 0), words=5, keeps_only_sent=True),
 )
 """Every filter a sampled row may ask for, in the order the planner names them. The dense prices
 are typed by hand, counted outside this repository on vLLM's PyTorch-native sampler (BF16 logits
@@ -116,15 +122,18 @@ def candidate_count(ranks: int, widest: int, values: Mapping[str, Sequence[float
     sampled rows' ``values`` (per filter name; a filter left out is off; a row has a filter on
     where its value is positive and not the filter's off value, so top-k's -1 is off), at most
     ``widest`` (the most real tokens one rank holds)."""
-    on = {f.name: [v for v in values.get(f.name, ()) if v > 0 and v != f.off] for f in FILTERS}
-    return int(min(max([1] + [f.need(on[f.name], ranks) for f in FILTERS]), widest))
+    return int(min(max([1] + [f.need(_on_rows(f, values), ranks) for f in FILTERS]), widest))
 
 
 def masks_on(values: Mapping[str, Sequence[float]]) -> tuple[str, ...]:
     """The mask filters whose sums ride in round one: those on (positive, not off) in some row of
     ``values`` (per filter name, the sampled rows' values; a filter left out is off)."""
-    return tuple(name for name in MASK_NAMES
-                 if any(v > 0 and v != BY_NAME[name].off for v in values.get(name, ())))
+    return tuple(name for name in MASK_NAMES if _on_rows(BY_NAME[name], values))
+
+
+def _on_rows(f: Filter, values: Mapping[str, Sequence[float]]) -> list[float]:
+    """``f``'s values in the rows it is on in (positive and not off, so top-k's -1 is off)."""
+    return [v for v in values.get(f.name, ()) if v > 0 and v != f.off]
 
 
 @dataclass(frozen=True)

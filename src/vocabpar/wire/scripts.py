@@ -147,7 +147,7 @@ def sampler_paths(rows: int, ranks: int, widest: int, vocab: int,
     searched = k > c
     narrowed = any(f.on(getattr(s, f.name), vocab) for f in FILTERS if not f.words)  # some threshold on
     masks = s.masks()
-    kept_unsent = unsent and not (c > 1 and any(BY_NAME[name].spares_sent for name in masks))  # typically
+    kept_unsent = unsent and not (c > 1 and any(BY_NAME[name].keeps_only_sent for name in masks))  # typically
     typical = SamplePath(rows, c, top_k=Search(rows, draw=not with_top_p) if searched else None,
                          total_rows=rows * (with_top_p and kept_unsent and not 0 < k <= c),
                          draw_rows=rows * (kept_unsent and not narrowed), masks=masks)
