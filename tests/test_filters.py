@@ -98,10 +98,15 @@ def test_the_planner_prices_top_n_sigma_s_words_in_round_one():
 
 def test_the_dense_sampler_adds_each_filter_s_work():
     """vLLM's sampler on full rows: temperature and the draw 6 launches, top-k 6, top-p 6 (8
-    alone), min-p 5 and a host read, top-n-sigma 4 (estimated: vLLM has none)."""
+    alone), min-p 5 and a host read, top-n-sigma 4 (estimated: vLLM has none), as each registry
+    entry states it; an entry without that price is refused."""
     keys = ("greedy", "temperature", "top_p", "top_k=search+top_p", "min_p", "top_n_sigma")
     work = [host.sampler_work("dense", key) for key in keys]
     assert [(w.launches, w.reads) for w in work] == [(2, 0), (6, 0), (14, 0), (18, 0), (11, 1), (10, 0)]
+    assert {name: (w.launches, w.reads) for name, w in host.DENSE_FILTERS.items()} == \
+        {f.name: f.dense_price for f in filters.FILTERS}  # read from the registry
+    with pytest.raises(ValueError, match="filter top_x: state its dense_price"):
+        dataclasses.replace(filters.BY_NAME["top_k"], name="top_x", dense_price=None)
     extra = host.DENSE_FILTERS["min_p"] + host.DENSE_FILTERS["top_n_sigma"]
     assert host.verify_work("dense", "top_k=candidates+min_p+top_n_sigma", False) == \
         host.DENSE_VERIFY[False, True, False] + extra

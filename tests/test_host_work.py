@@ -225,7 +225,7 @@ def test_the_counting_script_compiles_only_the_keys_the_tables_lack_or_it_is_ask
     takes any more and compiles the keys whose sample or verify entries they lack (a filter added
     since) and those ``--recount`` names -- and only those, without the scoring programs; the
     eager tables are measured again (stood in for here: each is a minute of gloo ranks). A
-    ``--recount`` of no key, or beside ``--compiled``, is refused."""
+    ``--recount`` of an unknown key, or beside ``--compiled``, is refused."""
     import importlib.util
     from pathlib import Path
 

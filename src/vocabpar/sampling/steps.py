@@ -83,10 +83,10 @@ class Schedule(Protocol):
 @dataclass
 class Steps:
     """A call's state after round one: this shard's processed logits ``x`` ``[B, columns]``, the
-    columns' ``ids``, the rows' parameters, which rows are ``sampled``, the merge ``m`` of the ``c``
-    candidates each rank sent, after the mask filters (everything a rank holds above ``m.unsent_max``
-    is among them); ``tied`` (int64 ``[n, B]``, when round one
-    counts them): each rank's unsent tokens equal to the last value it sent. :meth:`thresholds`
+    columns' ``ids``, the rows' parameters, which rows are ``sampled``, the merge ``m`` of the
+    ``c`` candidates each rank sent, after the mask filters (everything a rank holds above
+    ``m.unsent_max`` is among them); ``tied`` (int64 ``[n, B]``, when round one counts them):
+    each rank's unsent tokens equal to the last value it sent. :meth:`thresholds`
     sets ``thr`` (a row keeps ``x >= thr``, ``z >= min_z``)."""
 
     x: torch.Tensor
